@@ -1,0 +1,110 @@
+"""All settings in one place. Every field is a CLI flag (``--page-size``) and an
+environment variable (``TOKENQ_PAGE_SIZE``); the flag wins, then the variable, then the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from common.keys import DEFAULT_PREFIX
+from common.protocol import Limits
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class Settings:
+    # Where the queue lives.
+    redis_url: str = _f("redis://localhost:6379/0", "Redis URL (redis://, rediss:// for TLS, user:password@ for AUTH)")
+    prefix: str = _f(DEFAULT_PREFIX, "key prefix of every Redis key")
+    # The model.
+    model: str = _f("smollm2", "model: 'smollm2' (the bundled default), a local transformers directory or a hub id")
+    device: str = _f("auto", "cpu, cuda, cuda:N or auto")
+    dtype: str = _f("auto", "float32, bfloat16, float16, float64 or auto (bf16 on CUDA, fp32 on CPU)")
+    name: str = _f("", "worker name (default: host-pid)")
+    # The engine.
+    page_size: int = _f(16, "tokens per KV-cache page")
+    num_pages: int = _f(0, "KV-cache pages (0: derive from --kv-cache-memory)")
+    kv_cache_memory: float = _f(1.0, "GiB of memory for the KV cache when --num-pages is 0")
+    max_num_seqs: int = _f(64, "most sequences in one step")
+    max_num_batched_tokens: int = _f(2048, "most tokens in one step (prefill chunks + decodes)")
+    max_model_len: int = _f(0, "longest prompt + output (0: the model's own limit, capped by the cache)")
+    admission_policy: str = _f("optimistic", "optimistic (pages for the prompt, preempt later) or reserve (prompt + max_tokens up front)", choices=("optimistic", "reserve"))
+    preemption_mode: str = _f("recompute", "recompute or swap (to a host-memory pool)", choices=("recompute", "swap"))
+    soft_limit: float = _f(0.9, "cache share above which only high-priority requests are admitted")
+    swap_pages: int = _f(0, "host pool pages for swap preemption (0: same as the device pool)")
+    # The Redis loop.
+    claim_idle_s: float = _f(30.0, "claim in-flight entries of a dead worker after this idle time")
+    max_attempts: int = _f(3, "deliveries before an entry goes to the dead-letter stream")
+    result_ttl_s: int = _f(3600, "result streams expire this long after their last entry")
+    result_maxlen: int = _f(100_000, "cap on entries per result stream")
+    heartbeat_s: float = _f(2.0, "heartbeat and refresh interval")
+    grace_s: float = _f(30.0, "on SIGTERM, let running requests finish for this long")
+    metrics_port: int = _f(0, "serve Prometheus metrics on this port (0: off)")
+    # Request caps.
+    max_tokens_limit: int = _f(4096, "largest max_tokens a request may ask for")
+    max_prompt_chars: int = _f(200_000, "longest prompt text (characters)")
+    max_input_ids: int = _f(32_768, "longest input_ids array")
+    # The HTTP gateway.
+    host: str = _f("127.0.0.1", "gateway bind address")
+    port: int = _f(8000, "gateway port")
+    api_key: str = _f("", "require 'Authorization: Bearer <key>' on the gateway (empty: open)")
+    model_name: str = _f("tokenq", "model name the gateway reports in /v1/models and responses")
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(max_tokens=self.max_tokens_limit, max_prompt_chars=self.max_prompt_chars, max_input_ids=self.max_input_ids)
+
+    @classmethod
+    def env_name(cls, name: str) -> str:
+        return "TOKENQ_" + name.upper()
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
+        env = dict(os.environ if env is None else env)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(cls.env_name(f.name))
+            if raw is not None and raw != "":
+                values[f.name] = _convert(f, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, names: list[str]) -> None:
+        """Add ``--flag`` options for the named fields; defaults shown come from the environment."""
+        current = cls.from_env()
+        by_name = {f.name: f for f in fields(cls)}
+        for name in names:
+            f = by_name[name]
+            kind = type(f.default) if f.default is not MISSING else str
+            parser.add_argument(
+                "--" + name.replace("_", "-"),
+                type=kind,
+                default=None,
+                choices=f.metadata.get("choices"),
+                help=f"{f.metadata['help']} [env {cls.env_name(name)}; default: {getattr(current, name)!r}]",
+            )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Settings:
+        return cls.from_env(**{k: v for k, v in vars(args).items() if k in {f.name for f in fields(cls)}})
+
+
+def _convert(f: Any, raw: str) -> Any:
+    kind = type(f.default)
+    try:
+        if kind is bool:
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{Settings.env_name(f.name)}={raw!r} is not a valid {kind.__name__}") from None
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ValueError(f"{Settings.env_name(f.name)} must be one of {', '.join(choices)}")
+    return value

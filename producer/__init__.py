@@ -1,0 +1,1 @@
+"""Everything that sends work to tokenq or reads its results. Torch-free."""

@@ -1,0 +1,86 @@
+"""Shared fixtures: a real Redis server (never a fake), unique key prefixes, tiny models."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from common.local_redis import LocalRedis, ensure  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """The Redis the suite shares: TOKENQ_REDIS_URL / localhost:6379, or one started for the run."""
+    url, server = ensure()
+    yield url
+    if server is not None:
+        server.cleanup()
+
+
+@pytest.fixture
+def prefix(redis_url):
+    """A key prefix of this test's own, so runs sharing a server never collide; keys removed after."""
+    import redis
+
+    p = f"tqtest-{uuid.uuid4().hex[:10]}"
+    yield p
+    r = redis.Redis.from_url(redis_url)
+    keys = list(r.scan_iter(match=f"{p}:*", count=1000))
+    if keys:
+        r.delete(*keys)
+
+
+@pytest.fixture
+def r(redis_url):
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def local_redis():
+    """Factory for private redis-server processes (restart, AUTH, AOF tests)."""
+    servers: list[LocalRedis] = []
+
+    def make(**kw) -> LocalRedis:
+        s = LocalRedis(**kw).start()
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        s.cleanup()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny Llama (float32 weights) with a locally trained tokenizer, as a model directory."""
+    from tiny import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real default model (converted once into the user cache)."""
+    from worker.models import smollm2_dir
+
+    return str(smollm2_dir())
+
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Shared 2-core machines: no per-example deadlines, no "too slow" failures.
+settings.register_profile("tokenq", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("tokenq")

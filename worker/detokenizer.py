@@ -1,0 +1,54 @@
+"""Incremental detokenization: text deltas that never split a UTF-8 character, and stop strings.
+
+Each delta is the text added by the newest tokens. A partial multi-byte character decodes to
+U+FFFD, so we wait for the next token before emitting it. When stop strings are set, the last
+``len(longest stop) - 1`` characters are held back until they cannot start a stop string, so
+a client never sees text that is later cut off.
+"""
+
+from __future__ import annotations
+
+# Context tokens decoded before the new ones, so tokenizers that drop a leading space
+# (SentencePiece) still give the right text for the first output token.
+_CONTEXT = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = list(prompt_ids[-_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""  # all output text so far (cut at a stop string once found)
+        self.emitted = 0  # characters of self.text already handed out
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_ids: list[int]) -> None:
+        """Take new tokens; sets ``stopped`` when the text now contains a stop string."""
+        self.ids.extend(token_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            if self.stop:
+                start = max(0, len(self.text) - self.hold)
+                self.text += new
+                hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+                if hits:
+                    self.text = self.text[:min(hits)]
+                    self.stopped = True
+            else:
+                self.text += new
+
+    def delta(self, final: bool) -> str:
+        """Text not handed out yet (holding back what may still become a stop string)."""
+        end = len(self.text) if final or self.stopped else max(self.emitted, len(self.text) - self.hold)
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out

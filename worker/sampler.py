@@ -1,0 +1,75 @@
+"""Vectorised sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+Randomness is counter-based: the noise for output token ``i`` of a request is a hash of
+(seed, i, vocabulary index), drawn for the whole batch at once. So a seeded request gives
+the same tokens whatever shares its batch and however often it was preempted: nothing
+depends on a generator's hidden state or on the order rows are sampled in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.sequence import Sequence
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (murmur3's finaliser) on int64 tensors holding values < 2^32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[n, vocab] uniforms in (0, 1), a pure function of (seed, step, token)."""
+    dev = seeds.device
+    key = _mix32((seeds & _M32) ^ _mix32((seeds >> 32) & _M32))
+    key = _mix32(key ^ _mix32(steps & _M32))
+    tok = torch.arange(vocab, device=dev, dtype=torch.int64)
+    x = _mix32((key[:, None] + tok[None, :] * 0x9E3779B1) & _M32)
+    return (x.to(torch.float64) + 0.5) / 2.0**32
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """One next token per row of ``logits`` ([n, vocab]) for ``seqs`` (same order)."""
+    greedy = logits.argmax(dim=-1)
+    rows = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
+    if not rows:
+        return greedy.tolist()
+    dev = logits.device
+    sel = torch.tensor(rows, device=dev)
+    ps = [seqs[i].params for i in rows]
+    x = logits[sel].float() / torch.tensor([p.temperature for p in ps], device=dev)[:, None]
+    top_k = [p.top_k for p in ps]
+    top_p = [p.top_p for p in ps]
+    if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
+        x = _filter(x, torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev))
+    u = uniform_noise(
+        torch.tensor([seqs[i].seed for i in rows], device=dev, dtype=torch.int64),
+        torch.tensor([seqs[i].num_output_tokens for i in rows], device=dev, dtype=torch.int64),
+        x.shape[-1],
+    )
+    # Gumbel-max: argmax(logit + Gumbel noise) is a sample from softmax(logit).
+    gumbel = -torch.log(-torch.log(u))
+    choice = (x.double() + gumbel).argmax(dim=-1)
+    greedy[sel] = choice
+    return greedy.tolist()
+
+
+def _filter(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) logits outside each row's top-k and top-p nucleus."""
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    vocab = x.shape[-1]
+    rank = torch.arange(vocab, device=x.device)[None, :]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    drop = rank >= k[:, None]
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_x, dim=-1)
+    # drop a token when the tokens before it already hold top_p of the mass (the first always stays)
+    drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None]
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)

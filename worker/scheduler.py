@@ -1,0 +1,288 @@
+"""The scheduler: who runs this step, with how many tokens, and who is evicted to make room.
+
+Every step it does, in this order:
+
+1. **Deadlines.** Waiting requests not started within their ``timeout_s`` end as ``timeout``.
+2. **Make room for urgent work** (``optimistic`` policy only; ``reserve`` never preempts).
+   Walking the waiting queue by urgency, a request that cannot be admitted (pages, or
+   ``max_num_seqs``) evicts running sequences of *strictly* lower priority, least urgent
+   first, while that makes room. Equal priorities never evict each other: no ping-pong.
+3. **Advance the running sequences**, most urgent first: one token for each decoding
+   sequence, the next chunk for each still-prefilling one. A sequence that needs a page
+   when none is free evicts the least urgent running sequence (possibly itself).
+4. **Admit** waiting requests in order while tokens, sequence slots and pages allow. A
+   REJECT leaves the queue at once; the first DEFER stops the walk, so a less urgent
+   request never overtakes a more urgent one that is waiting for room.
+
+Order is (priority, arrival). A preempted request keeps its arrival number, so it goes
+back to its place in the queue rather than behind later arrivals of its priority.
+Eviction frees the victim's pages: ``recompute`` re-prefills prompt + output later,
+``swap`` copies its pages to a host pool and back.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass, field
+
+from worker.admission import Decision, Verdict, decide, pages_to_admit
+from worker.cache import BlockAllocator, pages_for
+from worker.config import EngineConfig
+from worker.sequence import Sequence, Status
+
+log = logging.getLogger("tokenq.scheduler")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step (= seq.num_computed before the step)
+    num_tokens: int  # tokens computed this step
+    sample: bool  # the chunk reaches the last known token: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    swap_out: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # device -> host pages
+    swap_in: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # host -> device pages
+    finished: list[Sequence] = field(default_factory=list)  # ended without running: rejected, timed out
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, alloc: BlockAllocator, max_model_len: int, host_alloc: BlockAllocator | None = None):
+        self.cfg = cfg
+        self.alloc = alloc
+        self.host_alloc = host_alloc
+        self.max_model_len = max_model_len
+        self.waiting: list[Sequence] = []  # sorted by Sequence.order
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.admissions = {d: 0 for d in Decision}
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.order)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for s in self.running:
+            if s.request_id == request_id:
+                return s
+        for s in self.waiting:
+            if s.request_id == request_id:
+                return s
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out of the engine, freeing everything it holds."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def _release(self, seq: Sequence) -> None:
+        self.alloc.free(seq.block_table)
+        seq.block_table = []
+        self.alloc.reserved -= seq.reserved_pages
+        seq.reserved_pages = 0
+        if seq.host_pages is not None:
+            assert self.host_alloc is not None
+            self.host_alloc.free(seq.host_pages)
+            seq.host_pages = None
+
+    def pages_waiting(self) -> int:
+        """Pages the waiting queue will ask for when admitted (what the service must not overfill)."""
+        return sum(pages_to_admit(s, self.cfg, self.alloc.page_size) for s in self.waiting)
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._expire(now, out)
+        preempted: set[int] = set()
+        if self.cfg.admission_policy == "optimistic":
+            self._make_room_for_urgent(out, preempted)
+        budget = self.cfg.max_num_batched_tokens
+        budget = self._advance_running(out, budget, preempted)
+        self._admit(out, budget, preempted, now)
+        if self.cfg.check_invariants:
+            self.check(out)
+        return out
+
+    def _expire(self, now: float, out: SchedulerOutput) -> None:
+        for seq in [s for s in self.waiting if s.timeout_s is not None and s.first_scheduled_time is None]:
+            if now - seq.arrival_time > seq.timeout_s:
+                self.finish(seq, "timeout")
+                out.finished.append(seq)
+
+    def _decide(self, seq: Sequence, pending_pages: int = 0, pending_seqs: int = 0) -> Verdict:
+        """Admission verdict, counting pages/slots promised earlier in this step as taken."""
+        self.alloc.reserved += pending_pages  # borrow the reservation counter as "promised"
+        try:
+            return decide(seq, self.alloc, self.cfg, self.max_model_len, len(self.running) + pending_seqs)
+        finally:
+            self.alloc.reserved -= pending_pages
+
+    def _make_room_for_urgent(self, out: SchedulerOutput, preempted: set[int]) -> None:
+        promised_pages = promised_seqs = 0
+        for w in list(self.waiting):
+            victims = sorted((r for r in self.running if r.priority > w.priority), key=lambda s: s.order, reverse=True)
+            verdict = self._decide(w, promised_pages, promised_seqs)
+            if verdict.decision is Decision.REJECT:
+                continue  # step 4 rejects it
+            need = pages_to_admit(w, self.cfg, self.alloc.page_size)
+
+            def fits(freed_pages: int = 0, freed_seqs: int = 0) -> bool:
+                v = self._decide(w, promised_pages - freed_pages, promised_seqs - freed_seqs)
+                return v.decision is Decision.ADMIT and len(self.running) + promised_seqs - freed_seqs < self.cfg.max_num_seqs
+
+            if not fits():
+                # Evict only if evicting every strictly-lower-priority sequence would be enough:
+                # partial evictions that still leave it waiting would only waste their work.
+                if not victims or not fits(sum(len(v.block_table) for v in victims), len(victims)):
+                    return
+                while not fits():
+                    self._preempt(victims.pop(0), out, preempted, why=f"priority: {w.request_id} (p{w.priority}) waits")
+            promised_pages += need
+            promised_seqs += 1
+
+    def _advance_running(self, out: SchedulerOutput, budget: int, preempted: set[int]) -> int:
+        self.running.sort(key=lambda s: s.order)
+        # Decodes need one token each; keep that much budget for those not yet scheduled so a
+        # long prefill chunk of an urgent sequence does not stall everyone's next token.
+        decodes_left = sum(1 for s in self.running if s.num_tokens - s.num_computed == 1)
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:  # evicted earlier in this loop
+                continue
+            remaining = seq.num_tokens - seq.num_computed
+            if remaining == 1:
+                decodes_left -= 1
+                n = 1 if budget >= 1 else 0
+            else:
+                n = min(remaining, budget - decodes_left)
+            if n <= 0:
+                continue
+            if not self._grow(seq, seq.num_computed + n, out, preempted):
+                continue  # it was its own victim
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            budget -= n
+        return budget
+
+    def _grow(self, seq: Sequence, num_tokens: int, out: SchedulerOutput, preempted: set[int]) -> bool:
+        """Give ``seq`` pages for ``num_tokens``, evicting the least urgent running sequences if needed."""
+        extra = pages_for(num_tokens, self.alloc.page_size) - len(seq.block_table)
+        if extra <= 0:
+            return True
+        while extra > self.alloc.num_available + seq.reserved_pages:
+            victim = max(self.running, key=lambda s: s.order)
+            self._preempt(victim, out, preempted, why=f"cache full: {seq.request_id} needs a page")
+            if victim is seq:
+                return False
+        from_reserve = min(extra, seq.reserved_pages)
+        seq.reserved_pages -= from_reserve
+        self.alloc.reserved -= from_reserve
+        seq.block_table.extend(self.alloc.allocate(extra))
+        return True
+
+    def _admit(self, out: SchedulerOutput, budget: int, preempted: set[int], now: float) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if id(seq) in preempted:
+                return  # evicted this very step: wait for the next
+            verdict = self._decide(seq)
+            self.admissions[verdict.decision] += 1
+            if verdict.decision is Decision.REJECT:
+                log.info("reject %s: %s", seq.request_id, verdict.reason)
+                seq.error = (verdict.code or "invalid_request", verdict.reason)
+                self.finish(seq, "error")
+                out.finished.append(seq)
+                continue
+            if verdict.decision is Decision.DEFER:
+                log.debug("defer %s: %s", seq.request_id, verdict.reason)
+                return
+            self.waiting.pop(0)
+            if self.cfg.admission_policy == "reserve":
+                seq.reserved_pages = pages_to_admit(seq, self.cfg, self.alloc.page_size)
+                self.alloc.reserved += seq.reserved_pages
+            if seq.host_pages is not None:  # swapped out earlier: bring its pages back
+                assert self.host_alloc is not None
+                take = min(len(seq.host_pages), seq.reserved_pages)
+                seq.reserved_pages -= take
+                self.alloc.reserved -= take
+                seq.block_table = self.alloc.allocate(len(seq.host_pages))
+                out.swap_in[0].extend(seq.host_pages)
+                out.swap_in[1].extend(seq.block_table)
+                self.host_alloc.free(seq.host_pages)
+                seq.host_pages = None
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            self._grow(seq, seq.num_computed + n, out, preempted)  # admission checked the pages are there
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            budget -= n
+            log.debug("admit %s (p%d, %d tokens)", seq.request_id, seq.priority, seq.num_tokens)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, preempted: set[int], why: str) -> None:
+        self.running.remove(seq)
+        for i, s in enumerate(out.scheduled):  # undo its share of this step, if it had one
+            if s.seq is seq:
+                del out.scheduled[i]
+                break
+        host = self.host_alloc
+        if self.cfg.preemption_mode == "swap" and host is not None and seq.num_computed > 0 and host.num_available >= len(seq.block_table):
+            seq.host_pages = host.allocate(len(seq.block_table))
+            out.swap_out[0].extend(seq.block_table)
+            out.swap_out[1].extend(seq.host_pages)
+            self.alloc.free(seq.block_table)
+            seq.block_table = []
+            self.alloc.reserved -= seq.reserved_pages
+            seq.reserved_pages = 0
+            mode = "swap"
+        else:
+            self._release(seq)
+            seq.num_computed = 0
+            mode = "recompute"
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        preempted.add(id(seq))
+        log.info("preempt %s (p%d, %d tokens, %s): %s", seq.request_id, seq.priority, seq.num_tokens, mode, why)
+        self.add(seq)
+
+    # ------------------------------------------------------------------ invariants
+
+    def check(self, out: SchedulerOutput) -> None:
+        cfg = self.cfg
+        assert out.num_batched_tokens <= cfg.max_num_batched_tokens, "token budget exceeded"
+        assert len(self.running) <= cfg.max_num_seqs, "too many running sequences"
+        ps = self.alloc.page_size
+        scheduled = {id(s.seq): s for s in out.scheduled}
+        assert len(scheduled) == len(out.scheduled), "a sequence is scheduled twice"
+        for seq in self.running:
+            assert seq.status is Status.RUNNING
+            s = scheduled.get(id(seq))
+            upto = s.start + s.num_tokens if s else seq.num_computed
+            # Exactly the pages its tokens need: never short, and waste below one page.
+            assert len(seq.block_table) == pages_for(upto, ps), f"{seq.request_id}: {len(seq.block_table)} pages for {upto} tokens"
+        for seq in self.waiting:
+            assert seq.status is Status.WAITING and not seq.block_table, f"{seq.request_id}: waiting with pages"
+        for s in out.scheduled:
+            assert s.seq.status is Status.RUNNING and s.num_tokens > 0
+        self.alloc.check([s.block_table for s in self.running])
+        assert sum(s.reserved_pages for s in self.running) == self.alloc.reserved, "reservations do not add up"
+        if self.host_alloc is not None:
+            self.host_alloc.check([s.host_pages for s in self.waiting if s.host_pages is not None])

@@ -84,3 +84,27 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 # Shared 2-core machines: no per-example deadlines, no "too slow" failures.
 settings.register_profile("tokenq", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("tokenq")
+
+
+
+@pytest.fixture
+def worker_factory(redis_url, tmp_path, tiny_model_dir):
+    """Start real worker processes: ``worker_factory(prefix, model=..., args=[...], name=...)``.
+
+    Defaults suit tests: the tiny model in float64 (so greedy output can be compared exactly),
+    a small cache, fast heartbeats and claims. Every process is killed at the end.
+    """
+    from helpers import spawn_worker
+
+    procs = []
+
+    def start(prefix: str, **kw):
+        kw.setdefault("model", tiny_model_dir)
+        kw.setdefault("url", redis_url)
+        w = spawn_worker(prefix, log_dir=tmp_path, **kw)
+        procs.append(w)
+        return w
+
+    yield start
+    for w in procs:
+        w.kill()

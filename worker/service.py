@@ -1,0 +1,601 @@
+"""The worker's Redis loop: pull requests under the engine's budget, step, publish results.
+
+One iteration of :meth:`Service.run_once`:
+
+1. read control messages (cancellations) and apply them;
+2. pull new requests, most urgent level first, only as many as the engine can admit soon
+   (free sequence slots and free cache tokens); block on the streams only when idle;
+3. one ``engine.step()``;
+4. publish every output of the step in one MULTI/EXEC round trip: a token entry per
+   request that produced tokens, a final ``done``/``error`` entry, and for finished
+   requests the XACK + XDEL of their request entry (so an entry is acknowledged only
+   together with its final result);
+5. on timers: heartbeat hash, refresh of in-flight entries (so they never look idle),
+   claiming entries of dead workers (XAUTOCLAIM), dead-lettering poison entries.
+
+If Redis goes away the engine keeps running: outputs wait in an outbox and are published,
+in order, once Redis answers again. The service knows no tensors; the engine knows no Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from common.errors import INTERNAL, INVALID_REQUEST, ProtocolError
+from common.keys import LEVELS, Keys
+from common.protocol import (
+    Request,
+    decode_result,
+    done_entry,
+    error_entry,
+    parse_control,
+    parse_request,
+    reply_key_for,
+    token_entry,
+)
+from common.redis import connect, xautoclaim_entries
+from common.settings import Settings
+from worker.engine import Engine, RequestOutput
+
+log = logging.getLogger("tokenq.service")
+
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
+
+
+@dataclass
+class InFlight:
+    """A request this worker has read from Redis and not yet acknowledged."""
+
+    req: Request
+    stream: str
+    entry_id: str
+    enqueued_wall: float  # from the entry id (milliseconds since the epoch)
+    prompt_tokens: int = 0
+    resumed_tokens: int = 0
+    cancelled: bool = False
+
+
+@dataclass
+class Outbox:
+    """Commands waiting to be published in order (kept across Redis outages)."""
+
+    ops: list[tuple[str, tuple, dict]] = field(default_factory=list)
+
+    def add(self, op: str, *args: Any, **kwargs: Any) -> None:
+        self.ops.append((op, args, kwargs))
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def entry_time(entry_id: str) -> float:
+    """Wall time (s) at which Redis appended an entry, from its id."""
+    try:
+        return int(entry_id.split("-", 1)[0]) / 1000.0
+    except ValueError:
+        return time.time()
+
+
+class Service:
+    def __init__(self, engine: Engine, settings: Settings, *, tokenizer=None, model_name: str = "", device: str = ""):
+        self.engine = engine
+        self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
+        self.s = settings
+        self.keys = Keys(settings.prefix)
+        self.name = settings.name or f"{socket.gethostname()}-{os.getpid()}"
+        self.model_name = model_name
+        self.device = device
+        self.r = connect(settings.redis_url, socket_timeout=max(5.0, settings.heartbeat_s * 2))
+        self.inflight: dict[str, InFlight] = {}
+        self.outbox = Outbox()
+        self.cancelled: OrderedDict[str, float] = OrderedDict()  # ids cancelled before we pulled them
+        self.control_last = "$"
+        self.stopping = False
+        self.stop_deadline = 0.0
+        self.connected = False
+        self.retry_at = 0.0
+        self.backoff = 0.1
+        self.next_heartbeat = 0.0
+        self.next_claim = 0.0
+        self.next_sweep = 0.0
+        self.avg_request_tokens = 256.0  # running estimate used to size pulls
+        self.tokens_window: list[tuple[float, int]] = []
+        self.started = time.time()
+        self.counts = {"served": 0, "errors": 0, "claimed": 0, "dead": 0}
+        self.on_finished = None  # optional hook(inflight, output) for metrics
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.request_stop())
+        signal.signal(signal.SIGINT, lambda *_: self.request_stop())
+
+    def request_stop(self) -> None:
+        if not self.stopping:
+            log.info("event=stopping grace_s=%.1f running=%d", self.s.grace_s, len(self.inflight))
+            self.stopping = True
+            self.stop_deadline = time.monotonic() + self.s.grace_s
+
+    def run(self) -> int:
+        log.info("event=start worker=%s prefix=%s redis=%s", self.name, self.s.prefix, _redact(self.s.redis_url))
+        self._connect()
+        while True:
+            if self.stopping and (not self.engine.has_unfinished() or time.monotonic() >= self.stop_deadline):
+                break
+            self.run_once()
+        self._shutdown()
+        return 0
+
+    def _connect(self) -> bool:
+        """Make sure the groups exist and resume what our consumer still holds; False if Redis is down."""
+        try:
+            self.r.ping()
+            for stream in self.keys.request_streams:
+                try:
+                    self.r.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
+                except redis.ResponseError as e:
+                    if "BUSYGROUP" not in str(e):
+                        raise
+            if self.control_last == "$":
+                # Cancels sent in the last 10 minutes still apply to entries we may pull.
+                self.control_last = f"{int(time.time() * 1000) - 600_000}-0"
+            if not self.connected:
+                self._resume_own_pending()
+                if self.retry_at:
+                    log.warning("event=redis_up buffered=%d", len(self.outbox.ops))
+            self.connected = True
+            self.backoff = 0.1
+            return True
+        except _REDIS_DOWN as e:
+            self._redis_down(e)
+            return False
+
+    def _redis_down(self, e: Exception) -> None:
+        if self.connected:
+            log.warning("event=redis_down error=%r buffered=%d", e, len(self.outbox.ops))
+        self.connected = False
+        self.retry_at = time.monotonic() + self.backoff
+        self.backoff = min(self.backoff * 2, 1.0)
+
+    def _shutdown(self) -> None:
+        """Release what is still running so other workers resume it, then say goodbye."""
+        left = list(self.inflight.values())
+        for f in left:
+            self.engine.abort(f.req.id)
+        self.engine.step()  # drop the aborted outputs: they are not final for the clients
+        self.inflight.clear()
+        self._flush()
+        self._release(left)
+        try:
+            self.r.delete(self.keys.worker(self.name))
+        except _REDIS_DOWN:
+            pass
+        log.info("event=stopped served=%d", self.counts["served"])
+
+    # ------------------------------------------------------------------ the loop
+
+    def run_once(self) -> None:
+        now = time.monotonic()
+        if not self.connected and now >= self.retry_at:
+            self._connect()
+        if self.connected:
+            try:
+                self._read_control()
+                if not self.stopping:
+                    self._pull()
+                self._timers(now)
+            except _REDIS_DOWN as e:
+                self._redis_down(e)
+            except redis.ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                self._regroup()
+        if self.engine.has_unfinished():
+            try:
+                outputs = self.engine.step()
+            except Exception:  # a bug or OOM in the model: retry what is in flight, keep serving
+                log.exception("event=step_failed inflight=%d", len(self.inflight))
+                outputs = self._release_all()
+            self._record(outputs)
+            self._flush()
+        elif not self.connected:
+            time.sleep(min(0.5, max(0.0, self.retry_at - time.monotonic())))
+        elif self.outbox.ops:
+            self._flush()
+
+    # ------------------------------------------------------------------ pulling
+
+    def _pull(self) -> None:
+        """Read new entries, most urgent level first, no more than the engine can admit soon."""
+        eng = self.engine
+        idle = not eng.has_unfinished() and not self.outbox.ops
+        if idle:
+            n = eng.budget().free_seqs
+            block_ms = int(min(self.s.heartbeat_s, 1.0) * 1000)
+            reply = self.r.xreadgroup(self.keys.group, self.name, {s: ">" for s in self.keys.request_streams}, count=max(1, n), block=block_ms)
+            self._take(reply)
+            return
+        waiting = {s.priority for s in eng.scheduler.waiting}
+        running = [s.priority for s in eng.scheduler.running]
+        for prio, level in enumerate(LEVELS):
+            if any(p <= prio for p in waiting):
+                return  # we already hold work of this level that cannot start: leave the rest to others
+            b = eng.budget()
+            n = min(b.free_seqs, int(b.free_tokens // max(1.0, self.avg_request_tokens)))
+            if n <= 0 and any(p > prio for p in running):
+                n = 1  # the scheduler may evict less urgent work for it
+            if n <= 0:
+                return
+            reply = self.r.xreadgroup(self.keys.group, self.name, {self.keys.requests(level): ">"}, count=n)
+            self._take(reply)
+
+    def _take(self, reply, claimed: bool = False) -> None:
+        for stream, entries in reply or []:
+            stream = _s(stream)
+            for entry_id, fields in entries:
+                if fields is None:  # deleted while pending
+                    self.r.xack(stream, self.keys.group, entry_id)
+                    continue
+                self._accept(stream, _s(entry_id), fields, claimed)
+
+    def _accept(self, stream: str, entry_id: str, fields: dict, resume: bool) -> None:
+        level = self.keys.level_of_stream(stream) or "normal"
+        try:
+            req = parse_request(fields, entry_id=entry_id, level=level, keys=self.keys, limits=self.s.limits)
+        except ProtocolError as e:
+            self._reject(stream, entry_id, e.request_id, e.reply_to, e.code, e.message, fields)
+            return
+        f = InFlight(req, stream, entry_id, entry_time(entry_id))
+        if req.id in self.inflight or req.id in self.engine:
+            if self.inflight.get(req.id, f).entry_id == entry_id:
+                return  # already ours (claimed back after a slow step)
+            self._reject(stream, entry_id, req.id, None, INVALID_REQUEST, f"request id {req.id!r} is already in flight", fields)
+            return
+        if req.id in self.cancelled:
+            self.inflight[req.id] = f
+            self._finish(f, "cancelled", 0, 0, None, None)
+            return
+        try:
+            ids = self._tokenize(req)
+        except ValueError as e:
+            self._reject(stream, entry_id, req.id, req.reply_to, INVALID_REQUEST, str(e), fields)
+            return
+        generated: list[int] = []
+        if resume:
+            generated, final = self._published(req.reply_to)
+            if final:
+                self._ack(f)  # its final entry is out: the dead worker only missed the ack
+                return
+            f.resumed_tokens = len(generated)
+        f.prompt_tokens = len(ids)
+        if generated and len(generated) >= req.params.max_tokens:
+            self.inflight[req.id] = f
+            self._finish(f, "length", len(ids), len(generated), None, None)
+            return
+        remaining = None
+        if req.timeout_s is not None:
+            remaining = req.timeout_s - (time.time() - f.enqueued_wall)
+            if remaining <= 0 and not generated:
+                self.inflight[req.id] = f
+                self._finish(f, "timeout", len(ids), 0, None, None)
+                return
+        try:
+            self.engine.add_request(req.id, ids, req.params, req.priority, timeout_s=None if generated else remaining, generated_ids=generated)
+        except ValueError as e:
+            self._reject(stream, entry_id, req.id, req.reply_to, INVALID_REQUEST, str(e), fields)
+            return
+        self.inflight[req.id] = f
+        est = len(ids) + (req.params.max_tokens if self.engine.config.admission_policy == "reserve" else 0)
+        self.avg_request_tokens = 0.9 * self.avg_request_tokens + 0.1 * est
+        log.debug("event=accepted id=%s level=%s prompt_tokens=%d resumed=%d", req.id, level, len(ids), len(generated))
+
+    def _tokenize(self, req: Request) -> list[int]:
+        if req.input_ids is not None:
+            return req.input_ids
+        if self.tokenizer is None:
+            raise ValueError("this worker has no tokenizer: send input_ids")
+        if req.messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("the model has no chat template: send prompt or input_ids")
+            try:
+                ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            except Exception as e:  # a template may raise on odd message sequences
+                raise ValueError(f"chat template failed: {e}") from None
+            return list(ids)
+        assert req.prompt is not None
+        return list(self.tokenizer(req.prompt).input_ids)
+
+    def _published(self, reply_to: str) -> tuple[list[int], bool]:
+        """Tokens a previous owner already published (contiguous from seq 0), and whether it finished."""
+        by_seq: dict[int, list[int]] = {}
+        final = False
+        for _, fields in self.r.xrange(reply_to):
+            try:
+                e = decode_result(fields)
+            except (ValueError, KeyError):
+                continue
+            if e.final:
+                final = True
+            elif e.type == "token":
+                by_seq.setdefault(e.seq, e.ids)
+        out: list[int] = []
+        while len(out) in by_seq:
+            out.extend(by_seq[len(out)])
+        return out, final
+
+    # ------------------------------------------------------------------ control
+
+    def _read_control(self) -> None:
+        reply = self.r.xread({self.keys.control: self.control_last}, count=1000)
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                self.control_last = _s(entry_id)
+                msg = parse_control(fields)
+                if msg is None:
+                    continue
+                _, rid = msg
+                if self.engine.abort(rid):
+                    self.inflight[rid].cancelled = True
+                    log.info("event=cancel id=%s", rid)
+                else:
+                    self.cancelled[rid] = time.monotonic()
+        while self.cancelled and next(iter(self.cancelled.values())) < time.monotonic() - 600:
+            self.cancelled.popitem(last=False)
+
+    # ------------------------------------------------------------------ results
+
+    def _record(self, outputs: list[RequestOutput]) -> None:
+        """Queue one result entry per request per step (plus its final entry and ack)."""
+        now = time.time()
+        mono = time.monotonic()
+        for o in outputs:
+            f = self.inflight.get(o.request_id)
+            if f is None:
+                continue
+            if o.new_token_ids or o.text:
+                self._publish(f.req.reply_to, token_entry(o.seq, o.new_token_ids, o.text))
+                self.tokens_window.append((mono, len(o.new_token_ids)))
+            if not o.finished:
+                continue
+            if o.error is not None:
+                self._error(f, o.error[0], o.error[1])
+                continue
+            m = o.metrics
+            wall = lambda t: None if t is None else now - (mono - t)  # noqa: E731
+            started, first = (wall(m.first_scheduled_time), wall(m.first_token_time)) if m else (None, None)
+            self._finish(f, o.finish_reason or "stop", o.num_prompt_tokens, o.num_output_tokens, started, first, o)
+
+    def _publish(self, key: str, entry: dict[str, str]) -> None:
+        self.outbox.add("xadd", key, entry, maxlen=self.s.result_maxlen, approximate=True)
+        self.outbox.add("expire", key, self.s.result_ttl_s)
+
+    def _finish(self, f: InFlight, reason: str, prompt_tokens: int, completion_tokens: int,
+                started: float | None, first: float | None, output: RequestOutput | None = None) -> None:
+        now = time.time()
+        self._publish(f.req.reply_to, done_entry(
+            f.req.id, reason,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            queue_s=max(0.0, (started or now) - f.enqueued_wall),
+            ttft_s=None if first is None else max(0.0, first - f.enqueued_wall),
+            total_s=max(0.0, now - f.enqueued_wall),
+        ))
+        self.counts["served"] += 1
+        log.info("event=done id=%s reason=%s prompt_tokens=%d completion_tokens=%d", f.req.id, reason, prompt_tokens, completion_tokens)
+        if self.on_finished is not None:
+            self.on_finished(f, output, reason)
+        self._ack(f)
+
+    def _error(self, f: InFlight, code: str, message: str) -> None:
+        self._publish(f.req.reply_to, error_entry(f.req.id, code, message))
+        self.counts["errors"] += 1
+        log.warning("event=error id=%s code=%s message=%r", f.req.id, code, message)
+        if self.on_finished is not None:
+            self.on_finished(f, None, "error:" + code)
+        self._ack(f)
+
+    def _ack(self, f: InFlight) -> None:
+        self.outbox.add("xack", f.stream, self.keys.group, f.entry_id)
+        self.outbox.add("xdel", f.stream, f.entry_id)
+        self.inflight.pop(f.req.id, None)
+
+    def _reject(self, stream: str, entry_id: str, rid: str | None, reply_to: str | None, code: str, message: str, fields: dict) -> None:
+        """A bad entry: error on its result stream (or the dead-letter stream), then acknowledged."""
+        log.warning("event=rejected entry=%s id=%s code=%s message=%r", entry_id, rid, code, message)
+        self.counts["errors"] += 1
+        if reply_to is not None:
+            self._publish(reply_to, error_entry(rid, code, message))
+        else:
+            self.outbox.add("xadd", self.keys.dead, {"id": rid or "", "stream": stream, "entry_id": entry_id, "code": code,
+                                                   "message": message[:1000]}, maxlen=100_000, approximate=True)
+        if self.on_finished is not None:
+            self.on_finished(None, None, "error:" + code)
+        self.outbox.add("xack", stream, self.keys.group, entry_id)
+        self.outbox.add("xdel", stream, entry_id)
+
+    def _release_all(self) -> list[RequestOutput]:
+        """After a failed step: drop everything from the engine and hand the entries back.
+
+        They are marked long idle, so the next claim pass (ours or another worker's) takes
+        them again, counting one more delivery; an entry that keeps failing reaches
+        ``max_attempts`` and is dead-lettered. Tokens already published are kept (resume).
+        """
+        left = list(self.inflight.values())
+        for f in left:
+            self.engine.abort(f.req.id)
+        self.engine.step()  # collect the aborts; they are not final for the clients
+        self.inflight.clear()
+        self._flush()
+        self._release(left)
+        self.next_claim = 0.0
+        return []
+
+    def _release(self, left: list[InFlight]) -> None:
+        if not left or not self.connected:
+            return
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for f in left:
+                # Mark them long idle: the next XAUTOCLAIM of a live worker takes them at once.
+                pipe.xclaim(f.stream, self.keys.group, self.name, 0, [f.entry_id], idle=10**9, justid=True)
+            pipe.execute()
+            log.info("event=released count=%d", len(left))
+        except _REDIS_DOWN as e:
+            log.warning("event=release_failed error=%r", e)
+
+    def _flush(self) -> None:
+        if not self.outbox.ops or not self.connected:
+            return
+        ops = self.outbox.ops
+        try:
+            pipe = self.r.pipeline(transaction=True)
+            for op, args, kwargs in ops:
+                getattr(pipe, op)(*args, **kwargs)
+            results = pipe.execute(raise_on_error=False)
+        except _REDIS_DOWN as e:
+            self._redis_down(e)
+            return
+        self.outbox.ops = []
+        for (op, args, _), res in zip(ops, results):
+            if isinstance(res, Exception):
+                log.warning("event=publish_failed op=%s key=%s error=%r", op, args[0], res)
+
+    # ------------------------------------------------------------------ timers
+
+    def _timers(self, now: float) -> None:
+        if now >= self.next_heartbeat:
+            self.next_heartbeat = now + self.s.heartbeat_s
+            self._heartbeat()
+            self._refresh()
+        if now >= self.next_claim and not self.stopping:
+            self.next_claim = now + max(0.5, min(self.s.claim_idle_s / 4, 5.0))
+            self._claim()
+        if now >= self.next_sweep:
+            self.next_sweep = now + 5.0
+            self._sweep_unknown_streams()
+
+    def _heartbeat(self) -> None:
+        st = self.engine.stats
+        mono = time.monotonic()
+        self.tokens_window = [(t, n) for t, n in self.tokens_window if t > mono - 10.0]
+        span = min(10.0, max(1e-3, mono - (self.tokens_window[0][0] if self.tokens_window else mono)))
+        rate = sum(n for _, n in self.tokens_window) / span if self.tokens_window else 0.0
+        key = self.keys.worker(self.name)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(key, mapping={
+            "name": self.name, "model": self.model_name, "device": self.device, "pid": os.getpid(),
+            "pages_total": st.num_total_pages, "pages_free": st.num_free_pages, "running": st.num_running,
+            "waiting": st.num_waiting, "tokens_per_s": f"{rate:.1f}", "last_step_s": f"{st.last_step_s:.4f}",
+            "last_step": f"{time.time():.3f}", "steps": st.num_steps, "preemptions": st.num_preemptions,
+            "served": self.counts["served"], "started": f"{self.started:.3f}", "stopping": int(self.stopping),
+        })
+        pipe.expire(key, max(10, int(self.s.heartbeat_s * 5)))
+        pipe.execute()
+
+    def _refresh(self) -> None:
+        """Reset the idle time of our in-flight entries, so no live request looks abandoned."""
+        by_stream: dict[str, list[str]] = {}
+        for f in self.inflight.values():
+            by_stream.setdefault(f.stream, []).append(f.entry_id)
+        if by_stream:
+            pipe = self.r.pipeline(transaction=False)
+            for stream, ids in by_stream.items():
+                pipe.xclaim(stream, self.keys.group, self.name, 0, ids, justid=True)
+            pipe.execute()
+
+    def _claim(self) -> None:
+        """Take over entries idle past claim_idle_s (their worker died), most urgent level first."""
+        idle_ms = int(self.s.claim_idle_s * 1000)
+        for level in LEVELS:
+            b = self.engine.budget()
+            n = min(b.free_seqs, 16)
+            if n <= 0:
+                return
+            stream = self.keys.requests(level)
+            reply = self.r.xautoclaim(stream, self.keys.group, self.name, idle_ms, "0-0", count=n)
+            _, entries = xautoclaim_entries(reply)
+            for entry_id, fields in entries:
+                entry_id = _s(entry_id)
+                delivered = self._times_delivered(stream, entry_id)
+                self.counts["claimed"] += 1
+                log.warning("event=claimed stream=%s entry=%s deliveries=%d", stream, entry_id, delivered)
+                if delivered > self.s.max_attempts:
+                    self._dead_letter(stream, entry_id, fields, delivered)
+                else:
+                    self._accept(stream, entry_id, fields, resume=True)
+
+    def _times_delivered(self, stream: str, entry_id: str) -> int:
+        info = self.r.xpending_range(stream, self.keys.group, min=entry_id, max=entry_id, count=1)
+        return int(info[0]["times_delivered"]) if info else 1
+
+    def _dead_letter(self, stream: str, entry_id: str, fields: dict, delivered: int) -> None:
+        rid, reply = reply_key_for(fields, entry_id, self.keys)
+        message = f"gave up after {delivered} deliveries (the worker serving it failed each time)"
+        self.counts["dead"] += 1
+        if reply is not None:
+            self._publish(reply, error_entry(rid, INTERNAL, message))
+        self.outbox.add("xadd", self.keys.dead, {"id": rid or "", "stream": stream, "entry_id": entry_id, "code": INTERNAL,
+                                               "message": message}, maxlen=100_000, approximate=True)
+        self.outbox.add("xack", stream, self.keys.group, entry_id)
+        self.outbox.add("xdel", stream, entry_id)
+        log.error("event=dead_letter stream=%s entry=%s id=%s deliveries=%d", stream, entry_id, rid, delivered)
+
+    def _regroup(self) -> None:
+        """Redis lost our groups (restarted without persistence): recreate them and say what was lost.
+
+        Requests in flight here keep running and their results are still published; their
+        entries are gone, so only entries never pulled by any worker were lost with Redis.
+        """
+        log.error("event=redis_data_lost inflight=%d note='groups recreated; in-flight requests continue'", len(self.inflight))
+        self.connected = False
+        self.retry_at = 0.0
+        self._connect()
+
+    def _resume_own_pending(self) -> None:
+        """Entries our consumer name still holds from an earlier run: resume them."""
+        for stream in self.keys.request_streams:
+            reply = self.r.xreadgroup(self.keys.group, self.name, {stream: "0"}, count=1000)
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    entry_id = _s(entry_id)
+                    if fields is None:
+                        self.r.xack(stream, self.keys.group, entry_id)
+                    elif not any(f.entry_id == entry_id for f in self.inflight.values()):
+                        self._accept(stream, entry_id, fields, resume=True)
+
+    def _sweep_unknown_streams(self) -> None:
+        """Answer entries sent to a priority stream that does not exist (e.g. requests:urgent)."""
+        for key in self.r.scan_iter(match=f"{self.keys.prefix}:requests:*", count=100, _type="stream"):
+            key = _s(key)
+            if self.keys.level_of_stream(key) is not None:
+                continue
+            for entry_id, fields in self.r.xrange(key, count=100):
+                entry_id = _s(entry_id)
+                if not self.r.xdel(key, entry_id):
+                    continue  # another worker answered it
+                rid, reply = reply_key_for(fields, entry_id, self.keys)
+                message = f"unknown priority stream {key!r}: send to {', '.join(self.keys.request_streams)}"
+                log.warning("event=rejected entry=%s id=%s code=%s message=%r", entry_id, rid, INVALID_REQUEST, message)
+                self.counts["errors"] += 1
+                if reply is not None:
+                    self._publish(reply, error_entry(rid, INVALID_REQUEST, message))
+                else:
+                    self.outbox.add("xadd", self.keys.dead, {"id": rid or "", "stream": key, "entry_id": entry_id,
+                                                           "code": INVALID_REQUEST, "message": message}, maxlen=100_000, approximate=True)
+
+
+def _redact(url: str) -> str:
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1) if "://" in url else ("", url)
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"

@@ -1,0 +1,289 @@
+"""What producers get back: chunks, results, errors, and the reader state both clients share.
+
+Torch-free and I/O-free: :class:`ResultReader` turns raw result-stream entries (DESIGN.md §2)
+into chunks, keeps the last entry id (so reading can resume) and drops any ``seq`` it has
+already seen (so a request resumed by another worker after a crash never repeats tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from common.keys import LEVELS, Keys, priority_of
+from common.protocol import ID_RE, Limits, Request, ResultEntry, SamplingParams, decode_result, parse_request
+
+log = logging.getLogger("tokenq.producer")
+
+START_ID = "0-0"
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+class GenerationError(Exception):
+    """A request ended with an ``error`` entry (or could not be completed).
+
+    ``code`` is the protocol's error code (``invalid_request``, ``too_long``, ``internal``),
+    or ``timeout`` / ``cancelled`` for the subclasses below.
+    """
+
+    def __init__(self, code: str, message: str, request_id: str | None = None):
+        super().__init__(f"{code}: {message}" + (f" (request {request_id})" if request_id else ""))
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+    def __reduce__(self):  # picklable (RQ stores exceptions; multiprocessing too)
+        return (type(self), (self.code, self.message, self.request_id))
+
+
+class GenerationTimeout(GenerationError, TimeoutError):
+    """The worker gave up on the request (``finish_reason timeout``: not started within
+    ``timeout_s``), or a client-side wait (``result(timeout=...)``) ran out."""
+
+
+class GenerationCancelled(GenerationError):
+    """The request was cancelled (``finish_reason cancelled``)."""
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclass
+class Chunk:
+    """Newly generated tokens: ``token_ids`` start at output index ``seq``; ``text`` is their text delta."""
+
+    seq: int
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens}
+
+
+@dataclass
+class Timings:
+    """Seconds, as the worker measured them: waiting in the queue, to the first token, in all."""
+
+    queue_s: float | None = None
+    ttft_s: float | None = None
+    total_s: float | None = None
+
+
+@dataclass
+class Result:
+    id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage = field(default_factory=Usage)
+    timings: Timings = field(default_factory=Timings)
+
+    def check(self) -> Result:
+        """Raise :class:`GenerationTimeout` / :class:`GenerationCancelled` for a request that did not
+        run to a normal end (``stop`` or ``length``); return self otherwise."""
+        if self.finish_reason == "timeout":
+            raise GenerationTimeout("timeout", "the request was not started within its timeout_s", self.id)
+        if self.finish_reason == "cancelled":
+            raise GenerationCancelled("cancelled", f"the request was cancelled after {len(self.token_ids)} tokens",
+                                      self.id)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain JSON-able dict (what ``tokenq submit --json`` prints and RQ jobs return)."""
+        return {
+            "id": self.id,
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "usage": self.usage.to_dict(),
+            "timings": asdict(self.timings),
+        }
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def build_request(
+    *,
+    keys: Keys,
+    limits: Limits,
+    prompt: str | None = None,
+    input_ids: Iterable[int] | None = None,
+    messages: list[Mapping[str, Any]] | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: str | list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    ignore_eos: bool | None = None,
+    priority: str | int = "normal",
+    timeout_s: float | None = None,
+    id: str | None = None,
+) -> tuple[str, str, dict[str, str]]:
+    """(request id, request stream key, XADD fields), validated exactly as a worker will parse them.
+
+    Raises ValueError with a message naming the bad argument before anything is sent.
+    """
+    try:
+        level = LEVELS[priority_of(priority)]
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+    given = [n for n, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages)) if v is not None]
+    if len(given) != 1:
+        raise ValueError("exactly one of prompt, input_ids or messages is required"
+                         + (f" (got {', '.join(given)})" if given else ""))
+    if prompt is not None and not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+    if input_ids is not None:
+        if isinstance(input_ids, (str, bytes)):
+            raise ValueError("input_ids must be a list of token ids")
+        input_ids = list(input_ids)
+    if messages is not None:
+        if not isinstance(messages, list):
+            raise ValueError("messages must be a list of {role, content} dicts")
+        messages = [dict(m) if isinstance(m, Mapping) else m for m in messages]
+    rid = new_id() if id is None else id
+    if not isinstance(rid, str) or not ID_RE.match(rid):
+        raise ValueError("id must be 1-128 characters of letters, digits and ._:- (starting with a letter or digit)")
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)):
+        raise ValueError("timeout_s must be a number of seconds")
+    sampling = {k: v for k, v in dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                      seed=seed, stop=stop, stop_token_ids=stop_token_ids,
+                                      ignore_eos=ignore_eos).items() if v is not None}
+    if "stop" in sampling and not isinstance(sampling["stop"], (str, list, tuple)):
+        raise ValueError("stop must be a string or a list of strings")
+    params = SamplingParams(**sampling)  # type checks: ValueError naming the field
+    req = Request(id=rid, reply_to=keys.result(rid), params=params, prompt=prompt, input_ids=input_ids,
+                  messages=messages, timeout_s=timeout_s)
+    try:
+        fields = req.to_fields()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"cannot encode the request: {e}") from None
+    try:  # the worker's own parser: same limits, same messages
+        parse_request(fields, entry_id="0-1", level=level, keys=keys, limits=limits)
+    except ValueError as e:
+        raise ValueError(getattr(e, "message", str(e))) from None
+    return rid, keys.requests(level), fields
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def stream_entries(reply: Any, key: str) -> list[tuple[str, Mapping[Any, Any]]]:
+    """The (entry id, fields) pairs of one stream in an XREAD reply (RESP2 list or RESP3 dict)."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        items = reply.items()
+    else:
+        items = [(k, v) for k, v in reply]
+    out = []
+    for k, entries in items:
+        name = k.decode() if isinstance(k, bytes) else k
+        if name != key:
+            continue
+        if entries and len(entries) == 1 and isinstance(entries[0], list):
+            entries = entries[0]  # redis-py's RESP3 parser nests the entry list one level deeper
+        for eid, fields in entries or ():
+            if eid is None or fields is None:
+                continue
+            out.append((eid.decode() if isinstance(eid, bytes) else eid, fields))
+    return out
+
+
+class ResultReader:
+    """The state of reading one result stream; shared by the sync and asyncio handles."""
+
+    def __init__(self, request_id: str, key: str, last_id: str = START_ID, next_seq: int = 0):
+        self.request_id = request_id
+        self.key = key
+        self.last_id = last_id
+        self.next_seq = next_seq  # output tokens received so far (by this reader or the one it resumes)
+        self.token_ids: list[int] = []
+        self._text: list[str] = []
+        self.final: ResultEntry | None = None
+        self.pending: deque[Chunk] = deque()  # received, not yet handed to an iterator
+        self.duplicates = 0
+
+    @property
+    def done(self) -> bool:
+        return self.final is not None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    def feed(self, entries: list[tuple[str, Mapping[Any, Any]]]) -> None:
+        for eid, fields in entries:
+            self.last_id = eid
+            if self.final is not None:
+                continue  # nothing after the final entry counts
+            try:
+                e = decode_result(fields)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring malformed entry %s on %s: %s", eid, self.key, exc)
+                continue
+            if e.type == "token":
+                if e.seq < self.next_seq:  # already have it (a resumed request re-sent it)
+                    self.duplicates += 1
+                    continue
+                if e.seq > self.next_seq:
+                    log.warning("gap on %s: expected seq %d, got %d", self.key, self.next_seq, e.seq)
+                self.next_seq = e.seq + len(e.ids)
+                self.token_ids.extend(e.ids)
+                self._text.append(e.text)
+                self.pending.append(Chunk(e.seq, list(e.ids), e.text))
+            else:
+                self.final = e
+
+    def error(self) -> GenerationError | None:
+        if self.final is not None and self.final.type == "error":
+            return GenerationError(self.final.code or "internal", self.final.message or "", self.request_id)
+        return None
+
+    def result(self) -> Result:
+        err = self.error()
+        if err is not None:
+            raise err
+        assert self.final is not None
+        f = self.final
+        return Result(
+            id=self.request_id,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            finish_reason=f.finish_reason or "stop",
+            usage=Usage(f.prompt_tokens, f.completion_tokens or len(self.token_ids)),
+            timings=Timings(f.queue_s, f.ttft_s, f.total_s),
+        )
+
+
+def cancel_fields(request_id: str) -> dict[str, str]:
+    if not isinstance(request_id, str) or not ID_RE.match(request_id):
+        raise ValueError(f"not a valid request id: {request_id!r}")
+    return {"type": "cancel", "id": request_id}
+
+
+CONTROL_MAXLEN = 10_000  # the control stream is trimmed (approximately) to this many entries

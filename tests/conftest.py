@@ -13,6 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# One math thread per process: tests run several processes (workers, clients) on 2 shared
+# cores, where torch's default of one thread per core oversubscribes and slows all of them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from common.local_redis import LocalRedis, ensure  # noqa: E402
 

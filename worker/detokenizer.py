@@ -46,8 +46,20 @@ class IncrementalDetokenizer:
             else:
                 self.text += new
 
+    def flush(self) -> None:
+        """At the end, bytes still waiting for the rest of their character go out as U+FFFD,
+        as a plain decode of all the ids shows them (no more tokens will complete them)."""
+        if self.stopped or self.read_offset == len(self.ids):
+            return
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
+        self.prefix_offset = self.read_offset = len(self.ids)
+
     def delta(self, final: bool) -> str:
-        """Text not handed out yet (holding back what may still become a stop string)."""
+        """Text not handed out yet (holding back what may still become a stop string).
+        ``final``: the request has ended; everything goes out."""
+        if final:
+            self.flush()
         end = len(self.text) if final or self.stopped else max(self.emitted, len(self.text) - self.hold)
         out = self.text[self.emitted:end]
         self.emitted = end

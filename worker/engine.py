@@ -23,7 +23,7 @@ from worker.detokenizer import IncrementalDetokenizer
 from worker.models import check_supported
 from worker.runner import ModelRunner
 from worker.scheduler import Scheduler
-from worker.sequence import Sequence, Status
+from worker.sequence import Sequence
 
 log = logging.getLogger("tokenq.engine")
 
@@ -173,7 +173,7 @@ class Engine:
             seq.detok = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), params.stop)
             if generated:
                 seq.detok.add(generated)
-                seq.detok.delta(final=True)  # that text was published already
+                seq.detok.delta(final=False)  # that text was published already (as far as it was complete)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 

@@ -2,7 +2,10 @@
 
 Every step it does, in this order:
 
-1. **Deadlines.** Waiting requests not started within their ``timeout_s`` end as ``timeout``.
+1. **Impossible requests and deadlines.** A waiting request that can never run is
+   REJECTed here, at once, whatever the free slots and token budget (it must neither wait
+   for them nor wedge the queue). Waiting requests not started within their
+   ``timeout_s`` end as ``timeout``.
 2. **Make room for urgent work** (``optimistic`` policy only; ``reserve`` never preempts).
    Walking the waiting queue by urgency, a request that cannot be admitted (pages, or
    ``max_num_seqs``) evicts running sequences of *strictly* lower priority, least urgent
@@ -10,9 +13,9 @@ Every step it does, in this order:
 3. **Advance the running sequences**, most urgent first: one token for each decoding
    sequence, the next chunk for each still-prefilling one. A sequence that needs a page
    when none is free evicts the least urgent running sequence (possibly itself).
-4. **Admit** waiting requests in order while tokens, sequence slots and pages allow. A
-   REJECT leaves the queue at once; the first DEFER stops the walk, so a less urgent
-   request never overtakes a more urgent one that is waiting for room.
+4. **Admit** waiting requests in order while tokens, sequence slots and pages allow. The
+   first DEFER stops the walk, so a less urgent request never overtakes a more urgent one
+   that is waiting for room.
 
 Order is (priority, arrival). A preempted request keeps its arrival number, so it goes
 back to its place in the queue rather than behind later arrivals of its priority.
@@ -123,10 +126,20 @@ class Scheduler:
         return out
 
     def _expire(self, now: float, out: SchedulerOutput) -> None:
-        for seq in [s for s in self.waiting if s.timeout_s is not None and s.first_scheduled_time is None]:
-            if now - seq.arrival_time > seq.timeout_s:
+        for seq in [s for s in self.waiting if s.first_scheduled_time is None]:
+            verdict = self._decide(seq)
+            if verdict.decision is Decision.REJECT:
+                self._reject(seq, verdict, out)
+            elif seq.timeout_s is not None and now - seq.arrival_time > seq.timeout_s:
                 self.finish(seq, "timeout")
                 out.finished.append(seq)
+
+    def _reject(self, seq: Sequence, verdict: Verdict, out: SchedulerOutput) -> None:
+        self.admissions[Decision.REJECT] += 1
+        log.info("reject %s: %s", seq.request_id, verdict.reason)
+        seq.error = (verdict.code or "invalid_request", verdict.reason)
+        self.finish(seq, "error")
+        out.finished.append(seq)
 
     def _decide(self, seq: Sequence, pending_pages: int = 0, pending_seqs: int = 0) -> Verdict:
         """Admission verdict, counting pages/slots promised earlier in this step as taken."""
@@ -136,25 +149,26 @@ class Scheduler:
         finally:
             self.alloc.reserved -= pending_pages
 
+    def _fits(self, seq: Sequence, pending_pages: int, pending_seqs: int) -> bool:
+        """Would ``seq`` be admitted now, with these pages and sequence slots promised to others?"""
+        v = self._decide(seq, pending_pages, pending_seqs)
+        return v.decision is Decision.ADMIT and len(self.running) + pending_seqs < self.cfg.max_num_seqs
+
     def _make_room_for_urgent(self, out: SchedulerOutput, preempted: set[int]) -> None:
         promised_pages = promised_seqs = 0
         for w in list(self.waiting):
             victims = sorted((r for r in self.running if r.priority > w.priority), key=lambda s: s.order, reverse=True)
             verdict = self._decide(w, promised_pages, promised_seqs)
             if verdict.decision is Decision.REJECT:
-                continue  # step 4 rejects it
+                continue  # cannot happen: step 1 ended those
             need = pages_to_admit(w, self.cfg, self.alloc.page_size)
-
-            def fits(freed_pages: int = 0, freed_seqs: int = 0) -> bool:
-                v = self._decide(w, promised_pages - freed_pages, promised_seqs - freed_seqs)
-                return v.decision is Decision.ADMIT and len(self.running) + promised_seqs - freed_seqs < self.cfg.max_num_seqs
-
-            if not fits():
+            if not self._fits(w, promised_pages, promised_seqs):
                 # Evict only if evicting every strictly-lower-priority sequence would be enough:
                 # partial evictions that still leave it waiting would only waste their work.
-                if not victims or not fits(sum(len(v.block_table) for v in victims), len(victims)):
+                freed = sum(len(v.block_table) for v in victims)
+                if not victims or not self._fits(w, promised_pages - freed, promised_seqs - len(victims)):
                     return
-                while not fits():
+                while not self._fits(w, promised_pages, promised_seqs):
                     self._preempt(victims.pop(0), out, preempted, why=f"priority: {w.request_id} (p{w.priority}) waits")
             promised_pages += need
             promised_seqs += 1
@@ -203,13 +217,10 @@ class Scheduler:
             if id(seq) in preempted:
                 return  # evicted this very step: wait for the next
             verdict = self._decide(seq)
-            self.admissions[verdict.decision] += 1
             if verdict.decision is Decision.REJECT:
-                log.info("reject %s: %s", seq.request_id, verdict.reason)
-                seq.error = (verdict.code or "invalid_request", verdict.reason)
-                self.finish(seq, "error")
-                out.finished.append(seq)
+                self._reject(seq, verdict, out)
                 continue
+            self.admissions[verdict.decision] += 1
             if verdict.decision is Decision.DEFER:
                 log.debug("defer %s: %s", seq.request_id, verdict.reason)
                 return

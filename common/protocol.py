@@ -69,6 +69,16 @@ class Limits:
     max_stop: int = 16
     max_stop_chars: int = 256
     max_timeout_s: float = 86_400.0
+    max_request_bytes: int = 0  # the whole entry; 0: derived from the caps above
+
+    @property
+    def request_bytes(self) -> int:
+        """Largest entry (field names + values) parsed at all: bigger ones are refused before any
+        JSON/msgpack decoding, so a hostile entry cannot blow up into a huge Python object."""
+        if self.max_request_bytes:
+            return self.max_request_bytes
+        # UTF-8 or JSON-escaped text (up to 6 bytes a character), ids as JSON, plus room for the rest.
+        return 6 * self.max_prompt_chars + 12 * self.max_input_ids + 64 * 1024
 
 
 @dataclass
@@ -248,13 +258,22 @@ def _field_map(fields: Mapping[Any, Any]) -> dict[str, Any]:
     return out
 
 
-def reply_key_for(fields: Mapping[Any, Any], entry_id: str, keys: Keys) -> tuple[str | None, str | None]:
+def _raw_size(fields: Mapping[Any, Any]) -> int:
+    return sum(len(k) + len(v) for k, v in fields.items() if isinstance(k, (bytes, str)) and isinstance(v, (bytes, str)))
+
+
+def reply_key_for(fields: Mapping[Any, Any], entry_id: str, keys: Keys,
+                  limits: Limits | None = None) -> tuple[str | None, str | None]:
     """Best effort (request id, reply key) of an entry, for publishing an error on a bad one.
 
     Either is None when it cannot be derived safely (a bad id or a reply_to outside the
-    prefix): such errors go to the dead-letter stream instead.
+    prefix): such errors go to the dead-letter stream instead. An oversized ``payload`` is
+    not decoded (only flat ``id`` / ``reply_to`` fields count then).
     """
     try:
+        if "payload" in fields or b"payload" in fields:
+            if _raw_size(fields) > (limits or Limits()).request_bytes:
+                raise ValueError("payload too large to decode")
         f = _field_map(fields)
     except ValueError:
         f = {k.decode("utf-8", "replace") if isinstance(k, bytes) else k: v for k, v in fields.items() if k != b"payload" and k != "payload"}
@@ -291,8 +310,11 @@ def parse_request(
     """Validate one stream entry into a :class:`Request`, or raise :class:`ProtocolError`."""
     keys = keys or Keys()
     limits = limits or Limits()
-    rid, reply = reply_key_for(fields, entry_id, keys)
+    rid, reply = reply_key_for(fields, entry_id, keys, limits)
     try:
+        size = _raw_size(fields)
+        if size > limits.request_bytes:
+            raise ValueError(f"the request entry is {size} bytes, more than the limit of {limits.request_bytes}")
         f = _field_map(fields)
         if "id" in f:
             rid_text = _text("id", f["id"])
@@ -332,8 +354,8 @@ def parse_request(
             p["stop_token_ids"] = _token_ids("stop_token_ids", f["stop_token_ids"], limits.max_stop)
         if "ignore_eos" in f:
             p["ignore_eos"] = _bool("ignore_eos", f["ignore_eos"])
-        if p.get("max_tokens", SamplingParams.max_tokens) > limits.max_tokens:
-            raise ValueError(f"max_tokens must be in [1, {limits.max_tokens}]")
+        if "max_tokens" not in p and SamplingParams.max_tokens > limits.max_tokens:
+            p["max_tokens"] = limits.max_tokens  # the default, within a lower cap
         req.params = SamplingParams(**p)
         if "timeout_s" in f:
             req.timeout_s = _float("timeout_s", f["timeout_s"], 1e-3, limits.max_timeout_s)

@@ -45,7 +45,11 @@ class Settings:
     result_maxlen: int = _f(100_000, "cap on entries per result stream")
     heartbeat_s: float = _f(2.0, "heartbeat and refresh interval")
     grace_s: float = _f(30.0, "on SIGTERM, let running requests finish for this long")
+    aging_s: float = _f(10.0, "no starvation: a low entry waiting this long in Redis ranks (and runs) with normal work (0: strict levels)")
     metrics_port: int = _f(0, "serve Prometheus metrics on this port (0: off)")
+    metrics_host: str = _f("0.0.0.0", "address the metrics endpoint binds to (with --metrics-port)")
+    log_level: str = _f("info", "log level (debug shows every admission decision)",
+                        choices=("debug", "info", "warning", "error", "critical"))
     # Request caps.
     max_tokens_limit: int = _f(4096, "largest max_tokens a request may ask for")
     max_prompt_chars: int = _f(200_000, "longest prompt text (characters)")
@@ -53,7 +57,7 @@ class Settings:
     # The HTTP gateway.
     host: str = _f("127.0.0.1", "gateway bind address")
     port: int = _f(8000, "gateway port")
-    api_key: str = _f("", "require 'Authorization: Bearer <key>' on the gateway (empty: open)")
+    api_key: str = _f("", "require 'Authorization: Bearer <key>' on the gateway (empty: open)", secret=True)
     model_name: str = _f("tokenq", "model name the gateway reports in /v1/models and responses")
 
     @property
@@ -83,17 +87,30 @@ class Settings:
         for name in names:
             f = by_name[name]
             kind = type(f.default) if f.default is not MISSING else str
+            choices = f.metadata.get("choices")
             parser.add_argument(
                 "--" + name.replace("_", "-"),
-                type=kind,
+                type=str.lower if choices and kind is str else kind,
                 default=None,
-                choices=f.metadata.get("choices"),
-                help=f"{f.metadata['help']} [env {cls.env_name(name)}; default: {getattr(current, name)!r}]",
+                choices=choices,
+                help=f"{f.metadata['help']} [env {cls.env_name(name)}; default: {_shown(f, getattr(current, name))!r}]",
             )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
         return cls.from_env(**{k: v for k, v in vars(args).items() if k in {f.name for f in fields(cls)}})
+
+
+def _shown(f: Any, value: Any) -> Any:
+    """A value as --help may print it: secrets and URL passwords hidden."""
+    if f.metadata.get("secret") and value:
+        return "***"
+    if isinstance(value, str) and "://" in value and "@" in value:
+        scheme, rest = value.split("://", 1)
+        creds, _, host = rest.rpartition("@")
+        if ":" in creds:
+            return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
+    return value
 
 
 def _convert(f: Any, raw: str) -> Any:
@@ -105,6 +122,8 @@ def _convert(f: Any, raw: str) -> Any:
     except ValueError:
         raise ValueError(f"{Settings.env_name(f.name)}={raw!r} is not a valid {kind.__name__}") from None
     choices = f.metadata.get("choices")
+    if choices and isinstance(value, str) and value.lower() in choices:
+        value = value.lower()
     if choices and value not in choices:
         raise ValueError(f"{Settings.env_name(f.name)} must be one of {', '.join(choices)}")
     return value

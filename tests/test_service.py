@@ -186,16 +186,16 @@ def test_worker_killed_mid_generation_loses_nothing(r, prefix, worker_factory, r
 
 
 def test_sigterm_finishes_or_releases(r, prefix, worker_factory, reference):
-    a = worker_factory(prefix, name="leaving", args=["--grace-s", "0.5"])
+    a = worker_factory(prefix, name="leaving", args=["--grace-s", "0.1"])
     xadd(r, prefix, id="short", input_ids="[4, 5, 6]", max_tokens="3", temperature="0", ignore_eos="true")
-    xadd(r, prefix, id="long", input_ids="[7, 8, 9]", max_tokens="150", temperature="0", ignore_eos="true")
+    xadd(r, prefix, id="long", input_ids="[7, 8, 9]", max_tokens="600", temperature="0", ignore_eos="true")
     wait_tokens(r, f"{prefix}:result:long", 3)
     assert a.stop() == 0
     assert "event=released" in a.log
     assert read_result(r, f"{prefix}:result:short")[2]["type"] == "done"
     worker_factory(prefix, name="successor")
     ids, _, final, _ = read_result(r, f"{prefix}:result:long", timeout=120)
-    assert final["type"] == "done" and ids == reference([7, 8, 9], 150)
+    assert final["type"] == "done" and ids == reference([7, 8, 9], 600)
 
 
 def test_poison_entry_goes_to_dead_letter(r, prefix, worker_factory):

@@ -11,7 +11,21 @@ One iteration of :meth:`Service.run_once`:
    requests the XACK + XDEL of their request entry (so an entry is acknowledged only
    together with its final result);
 5. on timers: heartbeat hash, refresh of in-flight entries (so they never look idle),
-   claiming entries of dead workers (XAUTOCLAIM), dead-lettering poison entries.
+   claiming entries of dead workers (XAUTOCLAIM), dead-lettering poison entries, and
+   answering entries whose ``timeout_s`` passed (or that were cancelled) while still unread.
+
+Ownership: a worker publishes a request's final entry (and acknowledges it) only while its
+consumer still owns the entry (a Lua script checks and publishes atomically), and its
+refresh never takes back an entry another worker claimed: a worker frozen past
+``claim_idle_s`` (GC pause, SIGSTOP, a stalled VM) drops the requests it lost, so every
+request gets exactly one final entry. Unseeded sampling is seeded from the entry id, so a
+request resumed elsewhere continues the same random stream.
+
+Aging (no starvation): ``high`` is strict. Between ``normal`` and ``low`` the worker pulls
+by *virtual arrival time*, the entry's time plus ``aging_s`` per level below ``normal``:
+a ``low`` entry that has waited ``aging_s`` ranks with ``normal`` entries arriving then,
+and once it has waited that long it runs at ``normal`` priority in the engine (so
+``normal`` work does not preempt it). Aging never lifts anything into ``high``.
 
 If Redis goes away the engine keeps running: outputs wait in an outbox and are published,
 in order, once Redis answers again. The service knows no tensors; the engine knows no Redis.
@@ -19,6 +33,7 @@ in order, once Redis answers again. The service knows no tensors; the engine kno
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -31,7 +46,7 @@ from typing import Any
 import redis
 
 from common.errors import INTERNAL, INVALID_REQUEST, ProtocolError
-from common.keys import LEVELS, Keys
+from common.keys import LEVELS, PRIORITIES, Keys
 from common.protocol import (
     Request,
     decode_result,
@@ -49,6 +64,121 @@ from worker.engine import Engine, RequestOutput
 log = logging.getLogger("tokenq.service")
 
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
+SWEEP_S = 1.0  # how often (one worker at a time) unread entries are checked for expired deadlines
+SWEEP_COUNT = 500  # unread entries looked at per stream per sweep (a cursor walks deeper backlogs)
+
+
+# ---------------------------------------------------------------------------- Lua scripts
+# Each runs atomically in Redis, so no other worker can act on the same entry in between.
+
+# Publish a request's final entry, XACK and XDEL its request entry, only while this worker
+# still owns the entry, or when nobody does and the result stream has no final entry yet
+# (Redis lost the entry: the request still gets its answer). A worker frozen past
+# claim_idle_s whose entry another worker claimed (and may have finished) publishes no
+# second final entry; nor does a transaction re-sent after its reply was lost.
+# KEYS: request stream, result stream. ARGV: group, entry id, consumer, maxlen, ttl, fields...
+_FINALIZE = """
+local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if ok and p[1] then
+  if p[1][2] ~= ARGV[3] then return 0 end
+else
+  for _, e in ipairs(redis.call('XRANGE', KEYS[2], '-', '+')) do
+    local f = e[2]
+    for i = 1, #f, 2 do
+      if f[i] == 'type' and (f[i + 1] == 'done' or f[i + 1] == 'error') then return 0 end
+    end
+  end
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 6))
+redis.call('EXPIRE', KEYS[2], ARGV[5])
+if ok then redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) end
+pcall(redis.call, 'XDEL', KEYS[1], ARGV[2])
+return 1
+"""
+
+# Reset the idle time of entries this consumer owns (IDLE ARGV[3] ms when given: a release),
+# never taking one another consumer owns. Returns {ids owned by someone else, ids nobody owns}.
+# KEYS: request stream. ARGV: group, consumer, idle ms or '', entry ids...
+_TOUCH = """
+local lost, gone = {}, {}
+for i = 4, #ARGV do
+  local id = ARGV[i]
+  local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], id, id, 1)
+  if ok and p[1] then
+    if p[1][2] ~= ARGV[2] then
+      lost[#lost + 1] = id
+    elseif ARGV[3] == '' then
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'JUSTID')
+    else
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'IDLE', ARGV[3], 'JUSTID')
+    end
+  else
+    gone[#gone + 1] = id
+  end
+end
+return {lost, gone}
+"""
+
+_LAST_DELIVERED = """
+local function last_delivered(key, group)
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', key)
+  if not ok then return nil end
+  for _, g in ipairs(groups) do
+    local name, last
+    for j = 1, #g, 2 do
+      if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then last = g[j + 1] end
+    end
+    if name == group then return last end
+  end
+  return nil
+end
+"""
+
+# The ids of the first ARGV[2] entries no worker has read yet, per stream (for aging).
+# KEYS: request streams. ARGV: group, count.
+_UNREAD = _LAST_DELIVERED + """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local last = last_delivered(key, ARGV[1])
+  local ids = {}
+  if last then
+    for _, e in ipairs(redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', ARGV[2])) do ids[#ids + 1] = e[1] end
+  end
+  out[i] = ids
+end
+return out
+"""
+
+# Answer entries that expired (or were cancelled) while unread: XDEL each one that no worker
+# has read (its id is past the group's last-delivered id) and publish its final entry. One
+# whose result stream exists already (a reused id) is left for the pull path to refuse.
+# KEYS: request stream, then one result stream per entry. ARGV: group, maxlen, ttl, then per
+# entry: its id, the number of field values, the field values. Returns the ids answered.
+_EXPIRE_UNREAD = _LAST_DELIVERED + """
+local function after(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  if not am or not bm then return false end
+  if #am ~= #bm then return #am > #bm end
+  if am ~= bm then return am > bm end
+  if #as ~= #bs then return #as > #bs end
+  return as > bs
+end
+local last = last_delivered(KEYS[1], ARGV[1])
+if not last then return {} end
+local done, i, k = {}, 4, 2
+while i <= #ARGV do
+  local id, n = ARGV[i], tonumber(ARGV[i + 1])
+  if after(id, last) and redis.call('EXISTS', KEYS[k]) == 0 and redis.call('XDEL', KEYS[1], id) == 1 then
+    redis.call('XADD', KEYS[k], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, i + 2, i + 1 + n))
+    redis.call('EXPIRE', KEYS[k], ARGV[3])
+    done[#done + 1] = id
+  end
+  i = i + 2 + n
+  k = k + 1
+end
+return done
+"""
 
 
 @dataclass
@@ -108,11 +238,15 @@ class Service:
         self.next_heartbeat = 0.0
         self.next_claim = 0.0
         self.next_sweep = 0.0
+        self.next_expiry = 0.0
+        self.expiry_cursor: dict[str, str] = {}  # per stream: where the next sweep of unread entries starts
+        self.ever_connected = False
         self.avg_request_tokens = 256.0  # running estimate used to size pulls
         self.tokens_window: list[tuple[float, int]] = []
         self.started = time.time()
         self.counts = {"served": 0, "errors": 0, "claimed": 0, "dead": 0}
-        self.on_finished = None  # optional hook(inflight, output) for metrics
+        self.on_finished = None  # optional hook(inflight | None, output | None, reason) per final entry, for metrics
+        self.on_step = None  # optional hook(outputs) after each engine step, for metrics
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -140,12 +274,16 @@ class Service:
         """Make sure the groups exist and resume what our consumer still holds; False if Redis is down."""
         try:
             self.r.ping()
+            created = []
             for stream in self.keys.request_streams:
                 try:
                     self.r.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
+                    created.append(stream)
                 except redis.ResponseError as e:
                     if "BUSYGROUP" not in str(e):
                         raise
+            if created and self.ever_connected:
+                self._data_lost(created)
             if self.control_last == "$":
                 # Cancels sent in the last 10 minutes still apply to entries we may pull.
                 self.control_last = f"{int(time.time() * 1000) - 600_000}-0"
@@ -154,11 +292,25 @@ class Service:
                 if self.retry_at:
                     log.warning("event=redis_up buffered=%d", len(self.outbox.ops))
             self.connected = True
+            self.ever_connected = True
             self.backoff = 0.1
             return True
         except _REDIS_DOWN as e:
             self._redis_down(e)
             return False
+        except redis.ResponseError as e:  # e.g. OOM, READONLY, MISCONF: wait and retry, never crash
+            self._redis_down(e)
+            return False
+
+    def _data_lost(self, streams: list[str]) -> None:
+        """Redis came back without our consumer groups (restarted without persistence, or the
+        keys were deleted): say what is lost. Requests running here continue and are answered."""
+        ids = sorted(self.inflight)
+        log.error("event=redis_data_lost streams=%s inflight=%d inflight_ids=%s lost='entries waiting in Redis, "
+                  "other workers' in-flight entries and result entries written before the loss'; "
+                  "note='groups recreated; in-flight requests here continue'",
+                  ",".join(streams), len(ids), ",".join(ids[:50]))
+        self.counts["data_lost"] = self.counts.get("data_lost", 0) + 1
 
     def _redis_down(self, e: Exception) -> None:
         if self.connected:
@@ -197,9 +349,11 @@ class Service:
             except _REDIS_DOWN as e:
                 self._redis_down(e)
             except redis.ResponseError as e:
-                if "NOGROUP" not in str(e):
-                    raise
-                self._regroup()
+                if "NOGROUP" in str(e):
+                    self._regroup()
+                else:  # Redis refused a command (OOM, READONLY, BUSY script...): back off, keep the engine going
+                    log.warning("event=redis_error error=%r", e)
+                    self._redis_down(e)
         if self.engine.has_unfinished():
             try:
                 outputs = self.engine.step()
@@ -207,6 +361,8 @@ class Service:
                 log.exception("event=step_failed inflight=%d", len(self.inflight))
                 outputs = self._release_all()
             self._record(outputs)
+            if self.on_step is not None:
+                self.on_step(outputs)
             self._flush()
         elif not self.connected:
             time.sleep(min(0.5, max(0.0, self.retry_at - time.monotonic())))
@@ -216,28 +372,79 @@ class Service:
     # ------------------------------------------------------------------ pulling
 
     def _pull(self) -> None:
-        """Read new entries, most urgent level first, no more than the engine can admit soon."""
+        """Read new entries, most urgent first, no more than the engine can admit soon.
+
+        When nothing can be read and the engine is idle, block on all streams for one entry
+        each (COUNT is per stream: a wake-up must not take a backlog).
+        """
         eng = self.engine
-        idle = not eng.has_unfinished() and not self.outbox.ops
-        if idle:
-            n = eng.budget().free_seqs
+        if self._pull_levels() == 0 and not eng.has_unfinished() and not self.outbox.ops:
             block_ms = int(min(self.s.heartbeat_s, 1.0) * 1000)
-            reply = self.r.xreadgroup(self.keys.group, self.name, {s: ">" for s in self.keys.request_streams}, count=max(1, n), block=block_ms)
+            reply = self.r.xreadgroup(self.keys.group, self.name, {s: ">" for s in self.keys.request_streams}, count=1, block=block_ms)
             self._take(reply)
-            return
+
+    def _pull_levels(self) -> int:
+        """One non-blocking pass: ``high`` first (strict), then ``normal`` and ``low`` (aged)."""
+        eng = self.engine
         waiting = {s.priority for s in eng.scheduler.waiting}
         running = [s.priority for s in eng.scheduler.running]
-        for prio, level in enumerate(LEVELS):
+        taken = 0
+
+        def room(prio: int) -> int:
             if any(p <= prio for p in waiting):
-                return  # we already hold work of this level that cannot start: leave the rest to others
+                return 0  # we already hold work of this level that cannot start: leave the rest to others
             b = eng.budget()
             n = min(b.free_seqs, int(b.free_tokens // max(1.0, self.avg_request_tokens)))
             if n <= 0 and any(p > prio for p in running):
                 n = 1  # the scheduler may evict less urgent work for it
+            return n
+
+        for prio, level in enumerate(LEVELS):
+            n = room(prio)
             if n <= 0:
-                return
-            reply = self.r.xreadgroup(self.keys.group, self.name, {self.keys.requests(level): ">"}, count=n)
-            self._take(reply)
+                return taken
+            if prio == PRIORITIES["normal"] and self.s.aging_s > 0:
+                plan = self._aging_plan(n)
+                for stream, count in plan.items():
+                    taken += self._read(stream, count)
+                if plan.get(self.keys.requests("low")):
+                    return taken  # the low stream had its turn in this pass
+                continue
+            taken += self._read(self.keys.requests(level), n)
+        return taken
+
+    def _read(self, stream: str, count: int) -> int:
+        if count <= 0:
+            return 0
+        reply = self.r.xreadgroup(self.keys.group, self.name, {stream: ">"}, count=count)
+        self._take(reply)
+        return sum(len(entries) for _, entries in reply or [])
+
+    def _aging_plan(self, n: int) -> dict[str, int]:
+        """How many of the next ``n`` pulls go to ``normal`` and to ``low``, by virtual arrival
+        time (entry time + aging_s per level below normal), oldest first."""
+        levels = LEVELS[PRIORITIES["normal"]:]
+        streams = [self.keys.requests(level) for level in levels]
+        unread = self.r.eval(_UNREAD, len(streams), *streams, self.keys.group, n)
+        ranked = []
+        for i, ids in enumerate(unread or []):
+            for entry_id in ids:
+                ranked.append((entry_time(_s(entry_id)) + i * self.s.aging_s, i))
+        ranked.sort()
+        plan = dict.fromkeys(streams, 0)
+        for _, i in ranked[:n]:
+            plan[streams[i]] += 1
+        return plan
+
+    def _effective_priority(self, req: Request, f: InFlight) -> int:
+        """The engine priority: the level's, lifted one level per aging_s waited, never into high."""
+        prio = req.priority
+        if self.s.aging_s > 0 and prio > PRIORITIES["normal"]:
+            waited = time.time() - f.enqueued_wall
+            prio = max(PRIORITIES["normal"], prio - int(waited // self.s.aging_s))
+            if prio != req.priority:
+                log.debug("event=aged id=%s waited_s=%.1f priority=%d", req.id, waited, prio)
+        return prio
 
     def _take(self, reply, claimed: bool = False) -> None:
         for stream, entries in reply or []:
@@ -261,6 +468,12 @@ class Service:
                 return  # already ours (claimed back after a slow step)
             self._reject(stream, entry_id, req.id, None, INVALID_REQUEST, f"request id {req.id!r} is already in flight", fields)
             return
+        if not resume and self.r.exists(req.reply_to):
+            # A second request with the same id (a producer's retried XADD, or a hostile one) would
+            # write a second output and a second final entry into the first one's result stream.
+            self._reject(stream, entry_id, req.id, None, INVALID_REQUEST,
+                         f"request id {req.id!r} is already in use (its result stream exists): send a new id", fields)
+            return
         if req.id in self.cancelled:
             self.inflight[req.id] = f
             self._finish(f, "cancelled", 0, 0, None, None)
@@ -270,6 +483,11 @@ class Service:
         except ValueError as e:
             self._reject(stream, entry_id, req.id, req.reply_to, INVALID_REQUEST, str(e), fields)
             return
+        if req.params.seed is None:
+            # The same seed on whichever worker serves (or resumes) it: a resumed sampled
+            # request continues its random stream, and a re-send is an exact duplicate.
+            digest = hashlib.blake2b(f"{stream}/{entry_id}".encode(), digest_size=8).digest()
+            req.params.seed = int.from_bytes(digest, "big") & (2**63 - 1)
         generated: list[int] = []
         if resume:
             generated, final = self._published(req.reply_to)
@@ -290,7 +508,8 @@ class Service:
                 self._finish(f, "timeout", len(ids), 0, None, None)
                 return
         try:
-            self.engine.add_request(req.id, ids, req.params, req.priority, timeout_s=None if generated else remaining, generated_ids=generated)
+            self.engine.add_request(req.id, ids, req.params, self._effective_priority(req, f),
+                                    timeout_s=None if generated else remaining, generated_ids=generated)
         except ValueError as e:
             self._reject(stream, entry_id, req.id, req.reply_to, INVALID_REQUEST, str(e), fields)
             return
@@ -382,7 +601,7 @@ class Service:
     def _finish(self, f: InFlight, reason: str, prompt_tokens: int, completion_tokens: int,
                 started: float | None, first: float | None, output: RequestOutput | None = None) -> None:
         now = time.time()
-        self._publish(f.req.reply_to, done_entry(
+        self._publish_final(f, done_entry(
             f.req.id, reason,
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
@@ -394,15 +613,21 @@ class Service:
         log.info("event=done id=%s reason=%s prompt_tokens=%d completion_tokens=%d", f.req.id, reason, prompt_tokens, completion_tokens)
         if self.on_finished is not None:
             self.on_finished(f, output, reason)
-        self._ack(f)
 
     def _error(self, f: InFlight, code: str, message: str) -> None:
-        self._publish(f.req.reply_to, error_entry(f.req.id, code, message))
+        self._publish_final(f, error_entry(f.req.id, code, message))
         self.counts["errors"] += 1
         log.warning("event=error id=%s code=%s message=%r", f.req.id, code, message)
         if self.on_finished is not None:
             self.on_finished(f, None, "error:" + code)
-        self._ack(f)
+
+    def _publish_final(self, f: InFlight, entry: dict[str, str]) -> None:
+        """Final entry + XACK + XDEL as one script, done only while the entry is still ours."""
+        argv: list[Any] = [self.keys.group, f.entry_id, self.name, self.s.result_maxlen, self.s.result_ttl_s]
+        for k, v in entry.items():
+            argv += [k, v]
+        self.outbox.add("eval", _FINALIZE, 2, f.stream, f.req.reply_to, *argv)
+        self.inflight.pop(f.req.id, None)
 
     def _ack(self, f: InFlight) -> None:
         self.outbox.add("xack", f.stream, self.keys.group, f.entry_id)
@@ -447,7 +672,7 @@ class Service:
             pipe = self.r.pipeline(transaction=False)
             for f in left:
                 # Mark them long idle: the next XAUTOCLAIM of a live worker takes them at once.
-                pipe.xclaim(f.stream, self.keys.group, self.name, 0, [f.entry_id], idle=10**9, justid=True)
+                pipe.eval(_TOUCH, 1, f.stream, self.keys.group, self.name, 10**9, f.entry_id)
             pipe.execute()
             log.info("event=released count=%d", len(left))
         except _REDIS_DOWN as e:
@@ -465,10 +690,17 @@ class Service:
         except _REDIS_DOWN as e:
             self._redis_down(e)
             return
+        except redis.ResponseError as e:  # the whole transaction refused (e.g. OOM): keep it, retry later
+            log.warning("event=publish_failed ops=%d error=%r", len(ops), e)
+            self._redis_down(e)
+            return
         self.outbox.ops = []
         for (op, args, _), res in zip(ops, results):
             if isinstance(res, Exception):
-                log.warning("event=publish_failed op=%s key=%s error=%r", op, args[0], res)
+                log.warning("event=publish_failed op=%s key=%s error=%r", op, args[3] if op == "eval" else args[0], res)
+            elif op == "eval" and args[0] is _FINALIZE and res == 0:
+                log.warning("event=final_skipped entry=%s key=%s reason='entry owned by another worker or already answered'",
+                            args[5], args[3])
 
     # ------------------------------------------------------------------ timers
 
@@ -483,6 +715,9 @@ class Service:
         if now >= self.next_sweep:
             self.next_sweep = now + 5.0
             self._sweep_unknown_streams()
+        if now >= self.next_expiry and not self.stopping:
+            self.next_expiry = now + SWEEP_S
+            self._expire_unread()
 
     def _heartbeat(self) -> None:
         st = self.engine.stats
@@ -503,15 +738,33 @@ class Service:
         pipe.execute()
 
     def _refresh(self) -> None:
-        """Reset the idle time of our in-flight entries, so no live request looks abandoned."""
-        by_stream: dict[str, list[str]] = {}
+        """Reset the idle time of our in-flight entries, so no live request looks abandoned.
+
+        Only entries our consumer still owns: one another worker claimed (we were frozen
+        past claim_idle_s) is dropped here, not taken back, so two workers never serve it.
+        """
+        by_stream: dict[str, list[InFlight]] = {}
         for f in self.inflight.values():
-            by_stream.setdefault(f.stream, []).append(f.entry_id)
-        if by_stream:
-            pipe = self.r.pipeline(transaction=False)
-            for stream, ids in by_stream.items():
-                pipe.xclaim(stream, self.keys.group, self.name, 0, ids, justid=True)
-            pipe.execute()
+            by_stream.setdefault(f.stream, []).append(f)
+        if not by_stream:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for stream, fs in by_stream.items():
+            pipe.eval(_TOUCH, 1, stream, self.keys.group, self.name, "", *[f.entry_id for f in fs])
+        for fs, (lost, gone) in zip(by_stream.values(), pipe.execute()):
+            lost, gone = {_s(i) for i in lost}, {_s(i) for i in gone}
+            for f in fs:
+                if f.entry_id in lost or (f.entry_id in gone and self._published(f.req.reply_to)[1]):
+                    self._drop(f, "claimed by another worker" if f.entry_id in lost else "answered by another worker")
+
+    def _drop(self, f: InFlight, why: str) -> None:
+        """Stop serving a request that is no longer ours; publish nothing more for it."""
+        if self.inflight.get(f.req.id) is not f:
+            return
+        self.engine.abort(f.req.id)
+        del self.inflight[f.req.id]
+        self.outbox.ops = [op for op in self.outbox.ops if not _targets(op, f.req.reply_to)]
+        log.warning("event=lost_entry id=%s entry=%s why=%r", f.req.id, f.entry_id, why)
 
     def _claim(self) -> None:
         """Take over entries idle past claim_idle_s (their worker died), most urgent level first."""
@@ -542,6 +795,8 @@ class Service:
         rid, reply = reply_key_for(fields, entry_id, self.keys)
         message = f"gave up after {delivered} deliveries (the worker serving it failed each time)"
         self.counts["dead"] += 1
+        if self.on_finished is not None:
+            self.on_finished(None, None, "error:" + INTERNAL)
         if reply is not None:
             self._publish(reply, error_entry(rid, INTERNAL, message))
         self.outbox.add("xadd", self.keys.dead, {"id": rid or "", "stream": stream, "entry_id": entry_id, "code": INTERNAL,
@@ -556,7 +811,6 @@ class Service:
         Requests in flight here keep running and their results are still published; their
         entries are gone, so only entries never pulled by any worker were lost with Redis.
         """
-        log.error("event=redis_data_lost inflight=%d note='groups recreated; in-flight requests continue'", len(self.inflight))
         self.connected = False
         self.retry_at = 0.0
         self._connect()
@@ -587,11 +841,87 @@ class Service:
                 message = f"unknown priority stream {key!r}: send to {', '.join(self.keys.request_streams)}"
                 log.warning("event=rejected entry=%s id=%s code=%s message=%r", entry_id, rid, INVALID_REQUEST, message)
                 self.counts["errors"] += 1
+                if self.on_finished is not None:
+                    self.on_finished(None, None, "error:" + INVALID_REQUEST)
                 if reply is not None:
                     self._publish(reply, error_entry(rid, INVALID_REQUEST, message))
                 else:
                     self.outbox.add("xadd", self.keys.dead, {"id": rid or "", "stream": key, "entry_id": entry_id,
                                                            "code": INVALID_REQUEST, "message": message}, maxlen=100_000, approximate=True)
+
+    def _expire_unread(self) -> None:
+        """Answer entries still unread in Redis whose ``timeout_s`` passed, or that were cancelled.
+
+        A worker sees the deadline of an entry only once it pulls it; in a backlog an entry
+        could wait far past its deadline. One worker at a time (a lock of SWEEP_S) walks the
+        unread part of each stream; a script deletes each expired entry only if no worker has
+        read it yet and publishes its final entry in the same step, so no worker can be
+        serving it and it is answered exactly once.
+        """
+        if not self.r.set(f"{self.keys.prefix}:sweep", self.name, nx=True, px=int(SWEEP_S * 1000)):
+            return
+        now = time.time()
+        for stream in self.keys.request_streams:
+            try:
+                groups = self.r.xinfo_groups(stream)
+            except redis.ResponseError:
+                continue
+            last = next((_s(g["last-delivered-id"]) for g in groups if _s(g["name"]) == self.keys.group), None)
+            if last is None:
+                continue
+            start = self.expiry_cursor.get(stream)
+            if start is None or _id_key(start) < _id_key(last):
+                start = last
+            entries = self.r.xrange(stream, min="(" + start, count=SWEEP_COUNT)
+            self.expiry_cursor[stream] = _s(entries[-1][0]) if len(entries) == SWEEP_COUNT else last
+            keys: list[str] = []
+            argv: list[Any] = [self.keys.group, self.s.result_maxlen, self.s.result_ttl_s]
+            for entry_id, fields in entries:
+                entry_id = _s(entry_id)
+                final = self._unread_final(stream, entry_id, fields, now)
+                if final is not None:
+                    keys.append(final[0])
+                    values = [x for kv in final[1].items() for x in kv]
+                    argv += [entry_id, len(values), *values]
+            if keys:
+                done = self.r.eval(_EXPIRE_UNREAD, 1 + len(keys), stream, *keys, *argv)
+                for entry_id in done or []:
+                    self.counts["served"] += 1
+                    log.info("event=expired_unread stream=%s entry=%s", stream, _s(entry_id))
+
+    def _unread_final(self, stream: str, entry_id: str, fields: dict, now: float) -> tuple[str, dict[str, str]] | None:
+        """(result key, final entry) for an unread entry that is past its deadline or cancelled."""
+        has_timeout = b"timeout_s" in fields or "timeout_s" in fields or b"payload" in fields or "payload" in fields
+        if not has_timeout and not self.cancelled:
+            return None
+        level = self.keys.level_of_stream(stream) or "normal"
+        try:
+            req = parse_request(fields, entry_id=entry_id, level=level, keys=self.keys, limits=self.s.limits)
+        except ProtocolError:
+            return None  # answered with an error when a worker pulls it
+        waited = max(0.0, now - entry_time(entry_id))
+        if req.id in self.cancelled:
+            reason = "cancelled"
+        elif req.timeout_s is not None and waited > req.timeout_s:
+            reason = "timeout"
+        else:
+            return None
+        return req.reply_to, done_entry(req.id, reason, prompt_tokens=0, completion_tokens=0, queue_s=waited,
+                                        ttft_s=None, total_s=waited)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        return (0, 0)
+
+
+def _targets(op: tuple[str, tuple, dict], key: str) -> bool:
+    """Whether an outbox operation writes to ``key`` (token entries of a request we dropped)."""
+    name, args, _ = op
+    return name in ("xadd", "expire") and bool(args) and args[0] == key
 
 
 def _redact(url: str) -> str:

@@ -7,8 +7,8 @@ pages. The step's layout travels in the ``tokenq`` keyword argument (a :class:`S
 which ``model(...)`` hands unchanged to every layer.
 
 The packed batch holds decodes first (one query token each), then prefill chunks.
-Decodes are attended in one batched call per layer over their pages; prefill chunks, a
-few per step, one call each.
+Decodes are attended together, page by page, reading the pool in place (see
+:class:`StepMeta`); prefill chunks, a few per step, one SDPA call each.
 """
 
 from __future__ import annotations
@@ -21,32 +21,44 @@ NAME = "tokenq_paged"
 
 
 class StepMeta:
-    """Where this step's tokens go in the cache and what each attends to (shared by all layers)."""
+    """Where this step's tokens go in the cache and what each attends to (shared by all layers).
 
-    __slots__ = ("k", "v", "write_pages", "write_offs", "n_dec", "dec_pages", "dec_num_pages", "dec_ctx", "dec_valid", "prefills", "_masks")
+    Decode attention works page by page on a list of "decode pages": either the pool's
+    first ``dec_hi`` pages in place (``dec_src`` is None: no copy at all; pages there that
+    belong to no decoding sequence are masked out), or the decoding sequences' own pages
+    gathered (``dec_src``: their page numbers), whichever touches less memory. For each
+    decode page: the decode it belongs to (``dec_acc``; ``n_dec`` for none), and the position
+    of each of its slots in that sequence (``dec_pos``).
+    """
 
-    def __init__(self, k, v, write_pages, write_offs, n_dec, dec_pages, dec_num_pages, dec_ctx, prefills):
+    __slots__ = ("k", "v", "write_pages", "write_offs", "n_dec", "dec_src", "dec_hi", "dec_acc", "dec_qrow", "dec_pos",
+                 "dec_ctx", "prefills", "_masks")
+
+    def __init__(self, k, v, write_pages, write_offs, n_dec, dec_src, dec_hi, dec_acc, dec_pos, dec_ctx, prefills):
         self.k, self.v = k, v  # [layers, pages, kv_heads, page_size, head_dim]
         self.write_pages, self.write_offs = write_pages, write_offs  # [T] each
         self.n_dec = n_dec
-        self.dec_pages = dec_pages  # [n_dec * dec_num_pages] page numbers (padding: page 0, masked)
-        self.dec_num_pages = dec_num_pages
-        self.dec_ctx = dec_ctx  # [n_dec] context length of each decode, its own token included
+        self.dec_src = dec_src  # None (pool pages [0, dec_hi) in place) or [Np] page numbers to gather
+        self.dec_hi = dec_hi
+        self.dec_acc = dec_acc  # [Np] the decode each page belongs to (n_dec: none)
+        self.dec_qrow = dec_acc.clamp(max=max(n_dec - 1, 0)) if n_dec else None  # query row to use for each page
+        self.dec_pos = dec_pos  # [Np, page_size] position of each slot in its sequence
+        self.dec_ctx = dec_ctx  # [Np] context length of the page's decode, its own token included (0: none)
         self.prefills = prefills  # [(first row, end row, tokens already cached, page tensor)]
-        span = torch.arange(dec_num_pages * k.shape[3], device=k.device)
-        self.dec_valid = span[None, :] < dec_ctx[:, None] if n_dec else None  # [n_dec, L]
-        self._masks: dict[int | None, torch.Tensor] = {}
+        self._masks: dict[tuple, torch.Tensor] = {}
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[n_dec, 1, 1, L]: True where a decode may attend (its positions, within the window)."""
-        m = self._masks.get(window)
-        if m is None:
-            m = self.dec_valid
+    def decode_bias(self, window: int | None, kvh: int, dtype: torch.dtype) -> torch.Tensor:
+        """[Np * kvh, 1, page_size]: 0 where a decode page's slot is attended, -inf where not."""
+        key = (window, kvh, dtype)
+        b = self._masks.get(key)
+        if b is None:
+            ctx = self.dec_ctx[:, None]
+            m = self.dec_pos < ctx
             if window is not None:
-                span = torch.arange(m.shape[1], device=m.device)
-                m = m & (span[None, :] > self.dec_ctx[:, None] - 1 - window)
-            m = self._masks[window] = m[:, None, None, :]
-        return m
+                m &= self.dec_pos > ctx - 1 - window
+            b = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+            b = self._masks[key] = b[:, None, :].expand(-1, kvh, -1).reshape(-1, 1, m.shape[1])
+        return b
 
 
 def _prefill_mask(q_len: int, cached: int, window: int | None, device) -> torch.Tensor | None:
@@ -69,26 +81,18 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     kc, vc = meta.k[layer], meta.v[layer]  # [pages, kv_heads, page_size, head_dim]
     _, H, T, D = query.shape
     kvh = key.shape[1]
-    g = H // kvh
     # 1. The step's new K/V into their slots (page, offset).
     kc[meta.write_pages, :, meta.write_offs] = key[0].transpose(0, 1)
     vc[meta.write_pages, :, meta.write_offs] = value[0].transpose(0, 1)
     out = query.new_empty(T, H, D)
     q_all = query[0].transpose(0, 1)  # [T, H, D]
 
-    # 2. Decodes: one batched attention over their pages, page by page (no [n, L] copy of
-    #    K/V beyond the gathered pages themselves).
+    # 2. Decodes: page by page over the decode pages (in place, or gathered when that is
+    #    less memory), then a softmax across each sequence's pages (a segmented
+    #    log-sum-exp). No K/V copy per sequence, no padding to the longest sequence.
     n = meta.n_dec
     if n:
-        P, ps = meta.dec_num_pages, kc.shape[2]
-        K = kc.index_select(0, meta.dec_pages).view(n, P, kvh, ps, D)
-        V = vc.index_select(0, meta.dec_pages).view(n, P, kvh, ps, D)
-        q = q_all[:n].reshape(n, 1, kvh, g, D)
-        s = torch.matmul(q, K.transpose(-1, -2)).mul_(scaling)  # [n, P, kvh, g, ps]
-        s = s.permute(0, 2, 3, 1, 4).reshape(n, kvh, g, P * ps)
-        s.masked_fill_(~meta.decode_mask(sliding_window), float("-inf"))
-        p = torch.softmax(s, dim=-1).view(n, kvh, g, P, ps).permute(0, 3, 1, 2, 4)
-        out[:n] = torch.matmul(p, V).sum(1).reshape(n, H, D)
+        out[:n] = _decode(q_all[:n], kc, vc, meta, sliding_window, scaling)
 
     # 3. Prefill chunks, each against its cached prefix plus itself.
     for a, b, cached, pages in meta.prefills:
@@ -103,6 +107,32 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True)
         out[a:b] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _decode(q, kc, vc, meta: StepMeta, window, scaling) -> torch.Tensor:
+    """q [n, H, D] -> [n, H, D]: each decode attends to the slots of its pages up to its position."""
+    n, H, D = q.shape
+    kvh, ps = kc.shape[1], kc.shape[2]
+    g = H // kvh
+    if meta.dec_src is None:
+        Np = meta.dec_hi
+        K, V = kc[:Np], vc[:Np]  # views of the pool: nothing copied
+    else:
+        Np = meta.dec_src.shape[0]
+        K, V = kc.index_select(0, meta.dec_src), vc.index_select(0, meta.dec_src)
+    acc = meta.dec_acc
+    qp = q.reshape(n, kvh, g, D).index_select(0, meta.dec_qrow)  # [Np, kvh, g, D]
+    # scores, scaled and masked in one call: bias + scaling * q k^T
+    s = torch.baddbmm(meta.decode_bias(window, kvh, q.dtype), qp.view(Np * kvh, g, D),
+                      K.reshape(Np * kvh, ps, D).transpose(1, 2), alpha=scaling).view(Np, kvh, g, ps)
+    # softmax over each sequence's slots, across its pages: subtract the sequence's max
+    m = s.new_full((n + 1, kvh, g), float("-inf"))
+    m.scatter_reduce_(0, acc[:, None, None].expand(Np, kvh, g), s.amax(-1), "amax")
+    e = torch.exp_(s.sub_(m.index_select(0, acc)[..., None]))  # pages of no decode: nan, summed into row n
+    denom = s.new_zeros((n + 1, kvh, g)).index_add_(0, acc, e.sum(-1))
+    o = torch.bmm(e.view(Np * kvh, g, ps), V.reshape(Np * kvh, ps, D)).view(Np, kvh, g, D)
+    num = s.new_zeros((n + 1, kvh, g, D)).index_add_(0, acc, o)
+    return num[:n].div_(denom[:n, ..., None]).view(n, H, D)
 
 
 def register() -> None:

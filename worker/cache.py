@@ -103,6 +103,11 @@ class KVCache:
     def bytes_per_page(*, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def clear(self, pages: list[int]) -> None:
+        idx = torch.tensor(pages, device=self.k.device)
+        self.k.index_fill_(1, idx, 0)
+        self.v.index_fill_(1, idx, 0)
+
     def swap_out(self, device_pages: list[int], host_pages: list[int]) -> None:
         src = torch.tensor(device_pages, device=self.k.device)
         dst = torch.tensor(host_pages)

@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     from worker import models
     from worker.engine import Engine
     from worker.service import Service
+    from worker.tuning import tune_process
+
+    tune_process()
 
     try:
         model, tokenizer = models.load(settings.model, settings.device, settings.dtype)

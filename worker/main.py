@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from common.settings import Settings
+from worker.tuning import set_openmp_env
 
-# Before torch loads OpenMP: idle math threads sleep instead of spinning. On a machine shared
-# with other busy processes, spinning threads of a 2-thread pool starve each other (a step
-# measured 10x slower); on an idle machine sleeping costs next to nothing.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+set_openmp_env()  # before anything loads torch and its OpenMP runtime
 
 WORKER_FLAGS = [
     "model", "redis_url", "name", "prefix", "device", "dtype", "page_size", "num_pages", "kv_cache_memory",

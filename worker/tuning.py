@@ -1,5 +1,12 @@
-"""Process-wide settings that make the engine's CPU steps fast. Call :func:`tune_process`
-once, early, in any process that runs the engine (the worker entry point, the benchmark).
+"""Process-wide settings that make the engine's CPU steps fast. Call :func:`set_openmp_env`
+before torch is imported and :func:`tune_process` once, early, in any process that runs the
+engine (the worker entry point, the benchmark).
+
+OpenMP: idle math threads spin before they sleep. libgomp's default spin (300,000 rounds)
+wins a little on an idle machine, but when another busy process shares the cores (the
+producer reading results, other workers) the spinning threads starve it and each other: a
+worker next to its client ran 3x slower, and 10x slower on a loaded machine. A short spin
+(GOMP_SPINCOUNT=3000) kept the idle-machine speed and was as robust as never spinning.
 
 glibc's malloc hands large freed blocks straight back to the OS (``mmap`` for blocks
 above 128 KiB, and trimming the heap top), so every large tensor a step allocates is
@@ -13,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
 
 log = logging.getLogger("tokenq.tuning")
@@ -21,6 +29,14 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
 _done = False
+OPENMP_ENV = {"GOMP_SPINCOUNT": "3000"}
+
+
+def set_openmp_env() -> None:
+    """Short OpenMP spin-waits (see above), unless the environment already says otherwise.
+    Only effective before torch (and its OpenMP runtime) is loaded."""
+    for k, v in OPENMP_ENV.items():
+        os.environ.setdefault(k, v)
 
 
 def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> bool:

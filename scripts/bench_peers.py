@@ -29,6 +29,8 @@ class _Stamp:
         self.stamps, self.on_step = stamps, on_step
 
     def __call__(self, input_ids, scores, **kwargs):
+        if input_ids.is_cuda:  # the token exists once the GPU has made it, not when it was queued
+            torch.cuda.synchronize(input_ids.device)
         self.stamps.append(time.perf_counter())
         if self.on_step:
             self.on_step()

@@ -26,7 +26,7 @@ class WorkerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 120.0) -> WorkerProcess:
+    def wait_ready(self, timeout: float = 300.0) -> WorkerProcess:
         r = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + timeout
         while not r.exists(f"{self.prefix}:worker:{self.name}"):

@@ -96,6 +96,20 @@ pcall(redis.call, 'XDEL', KEYS[1], ARGV[2])
 return 1
 """
 
+# Append one entry to each of several result streams and refresh their TTL: a whole step's
+# token entries in one command. KEYS: result streams. ARGV: maxlen, ttl, then per stream: the
+# number of field/value strings, the strings.
+_PUBLISH_TOKENS = """
+local i = 3
+for _, key in ipairs(KEYS) do
+  local n = tonumber(ARGV[i])
+  redis.call('XADD', key, 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, i + 1, i + n))
+  redis.call('EXPIRE', key, ARGV[2])
+  i = i + 1 + n
+end
+return #KEYS
+"""
+
 # Reset the idle time of entries this consumer owns (IDLE ARGV[3] ms when given: a release),
 # never taking one another consumer owns. Returns {ids owned by someone else, ids nobody owns}.
 # KEYS: request stream. ARGV: group, consumer, idle ms or '', entry ids...
@@ -574,18 +588,32 @@ class Service:
     # ------------------------------------------------------------------ results
 
     def _record(self, outputs: list[RequestOutput]) -> None:
-        """Queue one result entry per request per step (plus its final entry and ack)."""
+        """Queue one result entry per request per step (plus its final entry and ack).
+
+        The step's token entries go out as one script call (one command instead of an XADD
+        and an EXPIRE per request), queued before any final entry of the same step.
+        """
         now = time.time()
         mono = time.monotonic()
+        keys: list[str] = []
+        args: list[Any] = [self.s.result_maxlen, self.s.result_ttl_s]
+        finished = []
         for o in outputs:
             f = self.inflight.get(o.request_id)
             if f is None:
                 continue
             if o.new_token_ids or o.text:
-                self._publish(f.req.reply_to, token_entry(o.seq, o.new_token_ids, o.text))
+                entry = token_entry(o.seq, o.new_token_ids, o.text)
+                keys.append(f.req.reply_to)
+                args.append(2 * len(entry))
+                for kv in entry.items():
+                    args.extend(kv)
                 self.tokens_window.append((mono, len(o.new_token_ids)))
-            if not o.finished:
-                continue
+            if o.finished:
+                finished.append((f, o))
+        if keys:
+            self.outbox.add("eval", _PUBLISH_TOKENS, len(keys), *keys, *args)
+        for f, o in finished:
             if o.error is not None:
                 self._error(f, o.error[0], o.error[1])
                 continue

@@ -96,6 +96,7 @@ def check_smollm2_low_precision(device: str, dtype=torch.bfloat16, n: int = 16, 
     path = smollm2_dir()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    ref_model = copy.deepcopy(model)  # the engine switches its model to tokenq's attention
     topics = ["the sea", "bread", "a lighthouse", "rain", "trains", "the moon", "chess", "bees", "winter",
               "a library", "volcanoes", "coffee", "rivers", "maps", "owls", "clocks"]
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"Write two sentences about {t}."}],
@@ -106,12 +107,12 @@ def check_smollm2_low_precision(device: str, dtype=torch.bfloat16, n: int = 16, 
     exact = ties = 0
     failures = []
     for i, p in enumerate(prompts):
-        ref = reference(model, p, max_tokens)
+        ref = reference(ref_model, p, max_tokens)
         if got[i] == ref:
             exact += 1
             continue
         k = next(j for j, (a, b) in enumerate(zip(got[i], ref)) if a != b)
-        logits = model(torch.tensor([p + ref[:k]], device=device)).logits[0, -1].float()
+        logits = ref_model(torch.tensor([p + ref[:k]], device=device)).logits[0, -1].float()
         gap = float(logits[ref[k]] - logits[got[i][k]])
         if gap <= TIE:
             ties += 1

@@ -241,7 +241,7 @@ def test_wait_timeout_leaves_the_request_readable(client, r):
     t0 = time.monotonic()
     with pytest.raises(GenerationTimeout) as e:
         h.result(timeout=0.3)
-    assert 0.25 < time.monotonic() - t0 < 2.0
+    assert 0.25 < time.monotonic() - t0 < 10.0  # generous: CI machines can be slow
     assert e.value.code == "wait_timeout" and isinstance(e.value, TimeoutError)
     with pytest.raises(GenerationTimeout):
         list(h.chunks(timeout=0.2))

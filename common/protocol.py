@@ -17,6 +17,7 @@ from typing import Any
 
 import msgpack
 
+from common import outputs
 from common.errors import INVALID_REQUEST, ProtocolError
 from common.keys import Keys, priority_of
 
@@ -38,6 +39,16 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # outputs (common/outputs.py): see README "Outputs"
+    n: int = 1  # choices, each with its own random stream
+    logprobs: int | None = None  # top-N logprobs per generated token (0: the chosen token's only)
+    prompt_logprobs: int | None = None  # the same for each prompt token (the first gets none)
+    presence_penalty: float = 0.0  # OpenAI's, over output tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # transformers'/vLLM's, over prompt and output tokens
+    min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens are out
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_outputs: dict[str, Any] | None = None  # one of json, json_object, regex, choice, grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +63,17 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be integers >= 0")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
+        _check(_is_int(self.n) and 1 <= self.n <= outputs.MAX_N, "n", f"must be an integer in [1, {outputs.MAX_N}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            _check(v is None or (_is_int(v) and 0 <= v <= outputs.MAX_LOGPROBS), name, f"must be an integer in [0, {outputs.MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check(_is_num(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "must be in [-2, 2]")
+        _check(_is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 10, "repetition_penalty", "must be in (0, 10]")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be an integer in [0, max_tokens]")
+        self.logit_bias = outputs.logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            self.structured_outputs = outputs.structured_outputs(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -107,7 +129,7 @@ class Request:
         default = SamplingParams()
         for name, value in asdict(self.params).items():
             if value != getattr(default, name):
-                out[name] = json.dumps(value) if isinstance(value, (list, bool)) else str(value)
+                out[name] = json.dumps(value) if isinstance(value, (list, bool, dict)) else str(value)
         if self.timeout_s is not None:
             out["timeout_s"] = repr(float(self.timeout_s))
         return out
@@ -354,6 +376,7 @@ def parse_request(
             p["stop_token_ids"] = _token_ids("stop_token_ids", f["stop_token_ids"], limits.max_stop)
         if "ignore_eos" in f:
             p["ignore_eos"] = _bool("ignore_eos", f["ignore_eos"])
+        _parse_outputs(f, p)
         if "max_tokens" not in p and SamplingParams.max_tokens > limits.max_tokens:
             p["max_tokens"] = limits.max_tokens  # the default, within a lower cap
         req.params = SamplingParams(**p)
@@ -362,6 +385,28 @@ def parse_request(
         return req
     except ValueError as e:
         raise ProtocolError(INVALID_REQUEST, str(e), request_id=rid, reply_to=reply) from None
+
+
+def _parse_outputs(f: dict[str, Any], p: dict[str, Any]) -> None:
+    """The output fields (common/outputs.py) into ``p``; SamplingParams checks their ranges."""
+    if "n" in f:
+        p["n"] = _int("n", f["n"], 1, outputs.MAX_N)
+    for name in ("logprobs", "prompt_logprobs"):
+        if name in f:
+            p[name] = _int(name, f[name], 0, outputs.MAX_LOGPROBS)
+    for name, lo, hi in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("repetition_penalty", 1e-9, 10)):
+        if name in f:
+            p[name] = _float(name, f[name], lo, hi)
+    if "min_tokens" in f:
+        p["min_tokens"] = _int("min_tokens", f["min_tokens"], 0, 2**31 - 1)
+    if "logit_bias" in f:
+        p["logit_bias"] = outputs.logit_bias(_structured("logit_bias", f["logit_bias"]))
+    if "structured_outputs" in f and "response_format" in f:
+        raise ValueError("give structured_outputs or response_format, not both")
+    if "structured_outputs" in f:
+        p["structured_outputs"] = outputs.structured_outputs(_structured("structured_outputs", f["structured_outputs"]))
+    elif "response_format" in f:
+        p["structured_outputs"] = outputs.from_response_format(_structured("response_format", f["response_format"]))
 
 
 def parse_control(fields: Mapping[Any, Any]) -> tuple[str, str] | None:

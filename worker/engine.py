@@ -6,6 +6,7 @@ It knows nothing of Redis. The service drives it from a loop: ``add_request``, `
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import random
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.protocol import SamplingParams
-from worker import attention, sampler
+from worker import attention, logprobs, sampler, structured
 from worker.admission import Decision, decide
 from worker.cache import BlockAllocator, KVCache
 from worker.config import EngineConfig
@@ -23,7 +24,7 @@ from worker.detokenizer import IncrementalDetokenizer
 from worker.models import check_supported
 from worker.runner import ModelRunner
 from worker.scheduler import Scheduler
-from worker.sequence import Sequence
+from worker.sequence import Sequence, Status
 
 log = logging.getLogger("tokenq.engine")
 
@@ -49,8 +50,13 @@ class RequestOutput:
     finish_reason: str | None = None  # stop, length, cancelled, timeout, error
     error: tuple[str, str] | None = None  # (code, message) when finish_reason == "error"
     num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
+    num_output_tokens: int = 0  # all choices together
     metrics: RequestMetrics | None = None  # set on the final output
+    index: int = 0  # the choice (of n) these tokens belong to
+    choice_finish_reason: str | None = None  # set when this output ends its choice
+    finish_reasons: list[str | None] | None = None  # per choice, on the final output
+    logprobs: list[logprobs.TokenLogprob] | None = None  # one per new token, when asked for
+    prompt_logprobs: list[logprobs.TokenLogprob | None] | None = None  # with a choice's first token
 
 
 @dataclass
@@ -78,6 +84,11 @@ class Budget:
 
     free_tokens: int  # cache tokens not used, promised, or wanted by waiting requests
     free_seqs: int  # sequence slots not taken by running or waiting requests
+
+
+def _choice_seed(seed: int, index: int) -> int:
+    """Choice 0 keeps the request's seed (n=1 is unchanged); the others get their own streams."""
+    return seed if index == 0 else (seed + index * 0x9E3779B97F4A7C15) % 2**63
 
 
 def _text_config(config):
@@ -112,7 +123,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.cache)
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = self._eos_ids(model, tokenizer)
-        self._seqs: dict[str, Sequence] = {}
+        self._seqs: dict[str, list[Sequence]] = {}  # request id -> its choices (n of them)
+        self._compiling: list[Sequence] = []  # waiting for their grammar, not in the scheduler yet
+        self._grammar_pool: structured.Grammars | None = None
         self._arrivals = itertools.count()
         self._aborted: list[RequestOutput] = []
         self._stats = EngineStats(num_total_pages=num_pages)
@@ -141,51 +154,103 @@ class Engine:
         priority: int = 1,
         *,
         timeout_s: float | None = None,
-        generated_ids: list[int] | None = None,
+        generated_ids: list[int] | list[list[int]] | None = None,
+        ended: dict[int, str] | None = None,
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request. ``generated_ids`` resumes one whose first tokens were produced
-        elsewhere (a dead worker): they count as output and are not emitted again."""
+        elsewhere (a dead worker): they count as output and are not emitted again; with n > 1,
+        one list per choice, and ``ended`` the choices that had finished (index: reason)."""
         params = params or SamplingParams()
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} is already in the engine")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        generated = list(generated_ids or [])
-        ids = list(prompt_token_ids) + generated
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        gen = list(generated_ids or [])
+        per_choice = gen if gen and isinstance(gen[0], list) else [gen]
+        per_choice += [[]] * (params.n - len(per_choice))
+        bad = next((t for ids in [prompt_token_ids, *per_choice] for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need an engine with a tokenizer")
-        seq = Sequence(
-            request_id=request_id,
-            token_ids=ids,
-            num_prompt_tokens=len(prompt_token_ids),
-            params=params,
-            priority=priority,
-            arrival=next(self._arrivals),
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            seed=params.seed if params.seed is not None else random.getrandbits(63),
-            timeout_s=timeout_s,
-        )
-        if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), params.stop)
-            if generated:
-                seq.detok.add(generated)
-                seq.detok.delta(final=False)  # that text was published already (as far as it was complete)
-        self._seqs[request_id] = seq
-        self.scheduler.add(seq)
+        if (params.stop or params.structured_outputs) and self.tokenizer is None:
+            raise ValueError(f"{'stop strings' if params.stop else 'structured output'} need an engine with a tokenizer")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        grammar = self._grammars().submit(params.structured_outputs) if params.structured_outputs else None
+        group = []
+        for i, generated in enumerate(per_choice[:params.n]):
+            seq = Sequence(
+                request_id=request_id, token_ids=list(prompt_token_ids) + generated, num_prompt_tokens=len(prompt_token_ids),
+                params=params, priority=priority, arrival=next(self._arrivals), arrival_time=arrival,
+                seed=_choice_seed(seed, i), timeout_s=timeout_s, index=i,
+            )
+            if self.tokenizer is not None:
+                seq.detok = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), params.stop)
+                if generated:
+                    seq.detok.add(generated)
+                    seq.detok.delta(final=False)  # that text was published already (as far as it was complete)
+            if grammar is not None:
+                seq.grammar = structured.GrammarState(grammar)
+            group.append(seq)
+            if ended and i in ended:
+                seq.status, seq.finish_reason = Status.FINISHED, ended[i]
+            elif grammar is not None:
+                self._compiling.append(seq)  # joins the scheduler when its grammar is ready
+            else:
+                self.scheduler.add(seq)
+        self._seqs[request_id] = group
+
+    def _grammars(self) -> structured.Grammars:
+        if self._grammar_pool is None:
+            self._grammar_pool = structured.Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammar_pool
+
+    def _start_compiled(self, now: float) -> list[RequestOutput]:
+        """Sequences whose grammar finished compiling join the scheduler (or fail, if it is invalid)."""
+        outputs = []
+        for seq in [s for s in self._compiling if s.grammar.future.done()]:
+            self._compiling.remove(seq)
+            try:
+                seq.grammar.start(seq.output_ids)
+            except ValueError as e:
+                for other in self._seqs.get(seq.request_id, []):
+                    if other in self._compiling:
+                        self._compiling.remove(other)
+                    self._end(other, "error")
+                    other.error = ("invalid_request", str(e))
+                outputs += self._close_group(seq, now)
+                continue
+            self.scheduler.add(seq)
+        return outputs
 
     def abort(self, request_id: str) -> bool:
         """Stop a waiting or running request now; its final output comes with the next step."""
-        seq = self._seqs.pop(request_id, None)
-        if seq is None:
+        group = self._seqs.get(request_id)
+        if group is None:
             return False
-        self.scheduler.finish(seq, "cancelled")
-        seq.finished_time = time.monotonic()
-        self._aborted.append(self._output(seq, [], finished=True))
+        for seq in group:
+            if seq in self._compiling:
+                self._compiling.remove(seq)
+            self._end(seq, "cancelled")
+        self._aborted += self._close_group(group[0], time.monotonic())
         return True
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        if seq.status is not Status.FINISHED:
+            if seq.status is Status.WAITING and seq not in self.scheduler.waiting:
+                seq.status, seq.finish_reason = Status.FINISHED, reason  # still compiling its grammar
+            else:
+                self.scheduler.finish(seq, reason)
+
+    def _close_group(self, seq: Sequence, now: float, new: list[int] | None = None, first: int | None = None,
+                     lp=None) -> list[RequestOutput]:
+        """The output of ``seq`` when its choice just ended: final when it was the last one."""
+        seq.finished_time = now
+        done = all(s.status is Status.FINISHED for s in self._seqs[seq.request_id])
+        o = self._output(seq, new or [], finished=done, first=first, lp=lp)
+        if done:
+            del self._seqs[seq.request_id]
+        return [o]
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs) or bool(self._aborted)
@@ -213,30 +278,45 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
-        out = self.scheduler.schedule(t0)
         outputs, self._aborted = self._aborted, []
+        if self._compiling:
+            outputs += self._start_compiled(t0)
+        out = self.scheduler.schedule(t0)
         for seq in out.finished:  # rejected or timed out without running
-            self._seqs.pop(seq.request_id, None)
-            seq.finished_time = t0
-            outputs.append(self._output(seq, [], finished=True))
+            outputs += self._close_group(seq, t0)
         st = self._stats
         if out.scheduled:
-            logits, sampled = self.runner.execute(out)
+            logits, sampled, prompt = self.runner.execute(out)
             for s in out.scheduled:
                 s.seq.num_computed = s.start + s.num_tokens
                 if s.num_tokens > 1 or s.start < s.seq.num_prompt_tokens:
                     st.num_prompt_tokens += s.num_tokens
-            tokens = sampler.sample(logits, [s.seq for s in sampled]) if sampled else []
+            for s, lo, rows in prompt:
+                self._score_prompt(s.seq, lo, rows)
+            seqs = [s.seq for s in sampled]
+            masks = structured.apply_masks if structured.has_grammar(seqs) else None
+            res = sampler.sample_step(logits, seqs, self.eos_token_ids, masks) if sampled else None
             now = time.monotonic()
-            for s, tok in zip(sampled, tokens):
-                outputs.append(self._append(s.seq, tok, now))
-            st.num_generated_tokens += len(tokens)
+            for seq, tok, lp in zip(seqs, res.tokens if res else [], res.logprobs if res else []):
+                outputs += self._append(seq, tok, now, lp)
+            st.num_generated_tokens += len(seqs)
             st.num_steps += 1
+        elif self._compiling and not outputs:
+            # only grammars compiling: wait for one (briefly) instead of spinning the loop
+            concurrent.futures.wait([s.grammar.future for s in self._compiling], timeout=0.005,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
         st.last_batch_tokens = out.num_batched_tokens
         st.last_step_s = time.monotonic() - t0
         return outputs
 
-    def _append(self, seq: Sequence, tok: int, now: float) -> RequestOutput:
+    def _score_prompt(self, seq: Sequence, lo: int, rows: torch.Tensor) -> None:
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = []
+        assert lo == len(seq.prompt_logprobs), f"{seq.request_id}: prompt logprobs from {lo}, have {len(seq.prompt_logprobs)}"
+        targets = torch.tensor(seq.token_ids[lo + 1:lo + 1 + len(rows)], device=rows.device)
+        seq.prompt_logprobs += logprobs.gather(logprobs.log_softmax(rows), targets, [seq.params.prompt_logprobs] * len(rows))
+
+    def _append(self, seq: Sequence, tok: int, now: float, lp=None) -> list[RequestOutput]:
         first = seq.num_output_tokens
         seq.token_ids.append(tok)
         if seq.first_token_time is None:
@@ -245,34 +325,53 @@ class Engine:
         reason = None
         if seq.detok is not None:
             seq.detok.add([tok])
-        if not p.ignore_eos and tok in self.eos_token_ids:
+        if seq.grammar is not None:
+            try:
+                seq.grammar.accept(tok)
+            except ValueError as e:  # cannot happen with the mask applied; end it rather than go on outside the grammar
+                log.warning("%s: %s", seq.request_id, e)
+                reason = "stop"
+        if reason is not None:
+            pass
+        elif not p.ignore_eos and tok in self.eos_token_ids:
             reason = "stop"
         elif tok in p.stop_token_ids:
             reason = "stop"
         elif seq.detok is not None and seq.detok.stopped:
             reason = "stop"
+        elif seq.grammar is not None and seq.grammar.terminated:
+            reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self._seqs.pop(seq.request_id, None)
-            seq.finished_time = now
-        return self._output(seq, [tok], finished=reason is not None, first=first)
+        if reason is None:
+            return [self._output(seq, [tok], finished=False, first=first, lp=lp)]
+        self.scheduler.finish(seq, reason)
+        return self._close_group(seq, now, [tok], first, lp)
 
-    def _output(self, seq: Sequence, new: list[int], finished: bool, first: int | None = None) -> RequestOutput:
+    def _output(self, seq: Sequence, new: list[int], finished: bool, first: int | None = None, lp=None) -> RequestOutput:
+        group = self._seqs.get(seq.request_id) or [seq]
+        ended = seq.status is Status.FINISHED
         o = RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new,
             seq=seq.num_output_tokens if first is None else first,
-            text=seq.detok.delta(final=finished) if seq.detok is not None else "",
+            text=seq.detok.delta(final=ended) if seq.detok is not None else "",
             finished=finished,
-            finish_reason=seq.finish_reason if finished else None,
-            error=seq.error,
+            error=next((s.error for s in group if s.error), None),
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=sum(s.num_output_tokens for s in group),
+            index=seq.index,
+            choice_finish_reason=seq.finish_reason if ended else None,
+            logprobs=[lp] if lp is not None else None,
         )
+        if new and first == 0 and seq.params.prompt_logprobs is not None:
+            o.prompt_logprobs = [None, *(seq.prompt_logprobs or [])]
         if finished:
-            o.metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time, seq.num_preemptions)
+            o.finish_reason = "error" if o.error else group[0].finish_reason
+            o.finish_reasons = [s.finish_reason for s in group]
+            first_sched = min((s.first_scheduled_time for s in group if s.first_scheduled_time is not None), default=None)
+            first_tok = min((s.first_token_time for s in group if s.first_token_time is not None), default=None)
+            o.metrics = RequestMetrics(seq.arrival_time, first_sched, first_tok, seq.finished_time, sum(s.num_preemptions for s in group))
         return o
 
     @property

@@ -14,6 +14,7 @@ import torch
 
 from worker.attention import StepMeta
 from worker.cache import KVCache
+from worker.logprobs import prompt_span
 from worker.scheduler import ScheduledSeq, SchedulerOutput
 
 # Decode attention reads the pool's pages [0, hi) in place while hi is at most this many
@@ -35,8 +36,9 @@ class ModelRunner:
         self.page_size = cache.page_size
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Run the step; returns logits ``[S, vocab]`` for the sequences that sample, in that order."""
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], list[tuple[ScheduledSeq, int, torch.Tensor]]]:
+        """Run the step; returns logits ``[S, vocab]`` for the sequences that sample, in that order,
+        and (scheduled seq, first position, logits) of the prompt positions that want logprobs."""
         if out.swap_out[0]:
             self.cache.swap_out(*out.swap_out)
         if out.new_pages:
@@ -47,16 +49,35 @@ class ModelRunner:
             self.cache.swap_in(*out.swap_in)
         batch = sorted(out.scheduled, key=lambda s: s.num_tokens > 1)  # decodes first (stable)
         if not batch:
-            return torch.empty(0, 0), []
+            return torch.empty(0, 0), [], []
         meta, input_ids, positions, sample_rows = self._prepare(batch)
+        extra, spans = self._prompt_rows(batch)
+        keep = torch.cat([sample_rows, _ints(extra).to(self.device)]) if extra else sample_rows
         logits = self.model(
             input_ids=input_ids[None],
             position_ids=positions[None],
             use_cache=False,
-            logits_to_keep=sample_rows,
+            logits_to_keep=keep,
             tokenq=meta,
         ).logits[0]
-        return logits, [s for s in batch if s.sample]
+        n = len(sample_rows)
+        prompt = [(s, lo, logits[n + r:n + r + c]) for s, lo, r, c in spans]
+        return logits[:n], [s for s in batch if s.sample], prompt
+
+    @staticmethod
+    def _prompt_rows(batch: list[ScheduledSeq]):
+        """Rows (in the packed batch) of prompt positions whose logprobs are wanted, and per
+        sequence (scheduled seq, first position, first of its rows among them, count)."""
+        rows: list[int] = []
+        spans = []
+        a = 0
+        for s in batch:
+            lo, hi = prompt_span(s.seq, s.start, s.num_tokens)
+            if hi > lo:
+                spans.append((s, lo, len(rows), hi - lo))
+                rows.extend(range(a + lo - s.start, a + hi - s.start))
+            a += s.num_tokens
+        return rows, spans
 
     def _prepare(self, batch: list[ScheduledSeq]):
         dev, ps = self.device, self.page_size

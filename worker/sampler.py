@@ -1,4 +1,5 @@
-"""Vectorised sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Vectorised sampling: greedy, temperature, top-k, top-p, per-request seeds; and the step's
+whole pipeline (:func:`sample_step`): raw logprobs, penalties and bias, grammar masks, sampling.
 
 Randomness is counter-based: the noise for output token ``i`` of a request is a hash of
 (seed, i, vocabulary index), drawn for the whole batch at once. So a seeded request gives
@@ -8,8 +9,11 @@ depends on a generator's hidden state or on the order rows are sampled in.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from worker import logprobs, penalties
 from worker.sequence import Sequence
 
 _M32 = 0xFFFFFFFF
@@ -32,6 +36,36 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     tok = torch.arange(vocab, device=dev, dtype=torch.int64)
     x = _mix32((key[:, None] + tok[None, :] * 0x9E3779B1) & _M32)
     return (x.to(torch.float64) + 0.5) / 2.0**32
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]
+    logprobs: list[logprobs.TokenLogprob | None]  # per row, for rows whose request asks
+
+
+def sample_step(logits: torch.Tensor, seqs: list[Sequence], stop_ids: set[int], masks=None) -> Sampled:
+    """The next token of each row and its logprobs. ``masks(logits, seqs)`` (the grammar
+    bitmasks, worker/structured.py) applies in place after penalties. Plain batches pay
+    nothing for what they do not use: every stage runs only on the rows that ask for it."""
+    lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    lsm = logprobs.log_softmax(logits[lp_rows]) if lp_rows else None
+    x = logits
+    if penalties.needed(seqs) or masks is not None:
+        # A copy, in at least float32: logprobs above read the raw logits, and half-precision
+        # penalties would round away small differences.
+        x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits.clone()
+        if penalties.needed(seqs):
+            penalties.apply(x, seqs, stop_ids)
+        if masks is not None:
+            masks(x, seqs)
+    tokens = sample(x, seqs)
+    out: list[logprobs.TokenLogprob | None] = [None] * len(seqs)
+    if lp_rows:
+        chosen = torch.tensor([tokens[i] for i in lp_rows], device=logits.device)
+        for i, lp in zip(lp_rows, logprobs.gather(lsm, chosen, [seqs[i].params.logprobs for i in lp_rows])):
+            out[i] = lp
+    return Sampled(tokens, out)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:

@@ -37,6 +37,9 @@ class Sequence:
     finish_reason: str | None = None
     error: tuple[str, str] | None = None  # (code, message) when rejected
     detok: object | None = None  # worker.detokenizer.IncrementalDetokenizer when a tokenizer is set
+    index: int = 0  # which of the request's n choices this is
+    prompt_logprobs: list | None = None  # worker.logprobs.TokenLogprob of prompt tokens 1.. so far
+    grammar: object | None = None  # worker.structured.GrammarState for structured output
 
     @property
     def num_tokens(self) -> int:

@@ -65,6 +65,9 @@ class Run:
     def tokens(self, rid: str) -> list[int]:
         return [t for o in self.outputs[rid] for t in o.new_token_ids]
 
+    def choice(self, rid: str, index: int) -> list[int]:
+        return [t for o in self.outputs[rid] if o.index == index for t in o.new_token_ids]
+
     def text(self, rid: str) -> str:
         return "".join(o.text for o in self.outputs[rid])
 
@@ -137,12 +140,13 @@ def check_streams(run: Run) -> None:
         assert outs, f"{rid}: no output at all"
         finals = [i for i, o in enumerate(outs) if o.finished]
         assert finals == [len(outs) - 1], f"{rid}: final outputs at {finals} of {len(outs)}"
-        n = 0
+        n: dict[int, int] = {}  # per choice (n > 1): its own seq numbers
         for o in outs:
             if o.new_token_ids:
-                assert o.seq == n, f"{rid}: seq {o.seq}, expected {n}"
-            n += len(o.new_token_ids)
-        assert outs[-1].num_output_tokens == n, f"{rid}: says {outs[-1].num_output_tokens} tokens, streamed {n}"
+                assert o.seq == n.get(o.index, 0), f"{rid}[{o.index}]: seq {o.seq}, expected {n.get(o.index, 0)}"
+            n[o.index] = n.get(o.index, 0) + len(o.new_token_ids)
+        total = sum(n.values())
+        assert outs[-1].num_output_tokens == total, f"{rid}: says {outs[-1].num_output_tokens} tokens, streamed {total}"
 
 
 def assert_idle(engine: Engine) -> None:

@@ -209,6 +209,8 @@ class Engine:
         """Sequences whose grammar finished compiling join the scheduler (or fail, if it is invalid)."""
         outputs = []
         for seq in [s for s in self._compiling if s.grammar.future.done()]:
+            if seq not in self._compiling:
+                continue  # a sibling choice's failed grammar ended it just now
             self._compiling.remove(seq)
             try:
                 seq.grammar.start(seq.output_ids)

@@ -422,8 +422,20 @@ def parse_control(fields: Mapping[Any, Any]) -> tuple[str, str] | None:
 # ---------------------------------------------------------------------------- results
 
 
-def token_entry(seq: int, ids: list[int], text: str) -> dict[str, str]:
-    return {"type": "token", "seq": str(seq), "ids": json.dumps(ids), "text": text}
+def token_entry(seq: int, ids: list[int], text: str, *, index: int | None = None, finish_reason: str | None = None,
+                logprobs: list | None = None, prompt_logprobs: list | None = None) -> dict[str, str]:
+    """A token entry. With n > 1: ``index`` (the choice) and, on a choice's last entry, its
+    ``finish_reason``; ``logprobs`` / ``prompt_logprobs`` in common/outputs.py's wire form."""
+    e = {"type": "token", "seq": str(seq), "ids": json.dumps(ids), "text": text}
+    if index is not None:
+        e["index"] = str(index)
+    if finish_reason is not None:
+        e["finish_reason"] = finish_reason
+    if logprobs is not None:
+        e["logprobs"] = outputs.encode_logprobs(logprobs)
+    if prompt_logprobs is not None:
+        e["prompt_logprobs"] = outputs.encode_logprobs(prompt_logprobs)
+    return e
 
 
 def done_entry(
@@ -435,8 +447,12 @@ def done_entry(
     queue_s: float,
     ttft_s: float | None,
     total_s: float,
+    finish_reasons: list[str] | None = None,
 ) -> dict[str, str]:
+    """The final entry; with n > 1, ``finish_reason`` is choice 0's, ``finish_reasons`` all of
+    them, and completion_tokens counts every choice."""
     assert finish_reason in FINISH_REASONS, finish_reason
+    extra = {"finish_reasons": json.dumps(finish_reasons)} if finish_reasons else {}
     return {
         "type": "done",
         "id": request_id,
@@ -446,7 +462,7 @@ def done_entry(
         "queue_s": f"{queue_s:.6f}",
         "ttft_s": "" if ttft_s is None else f"{ttft_s:.6f}",
         "total_s": f"{total_s:.6f}",
-    }
+    } | extra
 
 
 def error_entry(request_id: str | None, code: str, message: str) -> dict[str, str]:
@@ -469,6 +485,10 @@ class ResultEntry:
     total_s: float | None = None
     code: str | None = None
     message: str | None = None
+    index: int = 0  # the choice (n > 1)
+    logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict] | None = None
+    finish_reasons: list[str] | None = None  # done, n > 1: one per choice
 
     @property
     def final(self) -> bool:
@@ -479,7 +499,10 @@ def decode_result(fields: Mapping[Any, Any]) -> ResultEntry:
     f = {(k.decode() if isinstance(k, bytes) else k): (v.decode("utf-8", "replace") if isinstance(v, bytes) else v) for k, v in fields.items()}
     kind = f.get("type", "")
     if kind == "token":
-        return ResultEntry("token", seq=int(f["seq"]), ids=json.loads(f["ids"]), text=f.get("text", ""))
+        return ResultEntry("token", seq=int(f["seq"]), ids=json.loads(f["ids"]), text=f.get("text", ""),
+                           index=int(f.get("index") or 0), finish_reason=f.get("finish_reason"),
+                           logprobs=outputs.decode_logprobs(f.get("logprobs")),
+                           prompt_logprobs=outputs.decode_logprobs(f.get("prompt_logprobs")))
     if kind == "done":
         opt = lambda k: float(f[k]) if f.get(k) else None  # noqa: E731
         return ResultEntry(
@@ -490,6 +513,7 @@ def decode_result(fields: Mapping[Any, Any]) -> ResultEntry:
             queue_s=opt("queue_s"),
             ttft_s=opt("ttft_s"),
             total_s=opt("total_s"),
+            finish_reasons=json.loads(f["finish_reasons"]) if f.get("finish_reasons") else None,
         )
     if kind == "error":
         return ResultEntry("error", code=f.get("code"), message=f.get("message"))

@@ -110,7 +110,7 @@ def test_logprobs_equal_log_softmax_of_generate(family):
             assert max(abs(a - b) for (_, a), b in zip(lp.top, vals.tolist())) < 1e-9
         want = full
         plp = run.outputs[f"r{i}"][0].prompt_logprobs
-        assert plp[0] is None and len(plp) == len(prompt)
+        assert plp[0].id == prompt[0] and plp[0].logprob is None and len(plp) == len(prompt)
         for pos in range(1, len(prompt)):
             e = plp[pos]
             assert e.id == prompt[pos] and abs(e.logprob - want[pos - 1, prompt[pos]].item()) < 1e-9
@@ -189,7 +189,7 @@ def test_penalties_exact_under_preemption(mode, temperature):
         a, b = tight.outputs[rid][0].prompt_logprobs, roomy.outputs[rid][0].prompt_logprobs
         assert (a is None) == (p.prompt_logprobs is None)
         if a is not None:  # (the last bits differ with the batch's shape)
-            assert len(a) == len(prompt) and a[0] is None and all(
+            assert len(a) == len(prompt) and a[0] == b[0] and a[0].logprob is None and all(
                 x.id == y.id and abs(x.logprob - y.logprob) < 1e-9 and [t for t, _ in x.top] == [t for t, _ in y.top]
                 for x, y in zip(a[1:], b[1:]))
 

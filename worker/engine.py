@@ -56,7 +56,7 @@ class RequestOutput:
     choice_finish_reason: str | None = None  # set when this output ends its choice
     finish_reasons: list[str | None] | None = None  # per choice, on the final output
     logprobs: list[logprobs.TokenLogprob] | None = None  # one per new token, when asked for
-    prompt_logprobs: list[logprobs.TokenLogprob | None] | None = None  # with a choice's first token
+    prompt_logprobs: list[logprobs.TokenLogprob] | None = None  # with a choice's first token (the first: logprob None)
 
 
 @dataclass
@@ -105,6 +105,7 @@ class Engine:
             model.set_attn_implementation(attention.NAME)
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.token_text = logprobs.token_texts(tokenizer) if tokenizer is not None else None  # for logprobs' token strings
         self.device = torch.device(cfg.device) if cfg.device else next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         num_kv = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
@@ -199,6 +200,8 @@ class Engine:
             else:
                 self.scheduler.add(seq)
         self._seqs[request_id] = group
+        if all(s.status is Status.FINISHED for s in group):  # resumed with every choice ended
+            self._aborted += self._close_group(group[-1], arrival)
 
     def _grammars(self) -> structured.Grammars:
         if self._grammar_pool is None:
@@ -367,7 +370,8 @@ class Engine:
             logprobs=[lp] if lp is not None else None,
         )
         if new and first == 0 and seq.params.prompt_logprobs is not None:
-            o.prompt_logprobs = [None, *(seq.prompt_logprobs or [])]
+            # the first prompt token has nothing before it to be scored by
+            o.prompt_logprobs = [logprobs.TokenLogprob(seq.token_ids[0], None), *(seq.prompt_logprobs or [])]
         if finished:
             o.finish_reason = "error" if o.error else group[0].finish_reason
             o.finish_reasons = [s.finish_reason for s in group]

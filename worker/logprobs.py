@@ -16,7 +16,7 @@ import torch
 @dataclass
 class TokenLogprob:
     id: int
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token
     top: list[tuple[int, float]] = field(default_factory=list)  # the N most likely, best first
 
     def wire(self, text=None) -> dict:

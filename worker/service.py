@@ -503,14 +503,17 @@ class Service:
             digest = hashlib.blake2b(f"{stream}/{entry_id}".encode(), digest_size=8).digest()
             req.params.seed = int.from_bytes(digest, "big") & (2**63 - 1)
         generated: list[int] = []
+        choices: dict[int, list[int]] = {}
+        ended: dict[int, str] = {}
         if resume:
-            generated, final = self._published(req.reply_to)
+            choices, ended, final = self._published(req.reply_to)
             if final:
                 self._ack(f)  # its final entry is out: the dead worker only missed the ack
                 return
-            f.resumed_tokens = len(generated)
+            generated = choices.get(0, [])
+            f.resumed_tokens = sum(len(c) for c in choices.values())
         f.prompt_tokens = len(ids)
-        if generated and len(generated) >= req.params.max_tokens:
+        if req.params.n == 1 and generated and len(generated) >= req.params.max_tokens:
             self.inflight[req.id] = f
             self._finish(f, "length", len(ids), len(generated), None, None)
             return
@@ -522,8 +525,9 @@ class Service:
                 self._finish(f, "timeout", len(ids), 0, None, None)
                 return
         try:
+            many = [choices.get(i, []) for i in range(req.params.n)] if req.params.n > 1 else generated
             self.engine.add_request(req.id, ids, req.params, self._effective_priority(req, f),
-                                    timeout_s=None if generated else remaining, generated_ids=generated)
+                                    timeout_s=None if f.resumed_tokens else remaining, generated_ids=many, ended=ended)
         except ValueError as e:
             self._reject(stream, entry_id, req.id, req.reply_to, INVALID_REQUEST, str(e), fields)
             return
@@ -548,9 +552,10 @@ class Service:
         assert req.prompt is not None
         return list(self.tokenizer(req.prompt).input_ids)
 
-    def _published(self, reply_to: str) -> tuple[list[int], bool]:
-        """Tokens a previous owner already published (contiguous from seq 0), and whether it finished."""
-        by_seq: dict[int, list[int]] = {}
+    def _published(self, reply_to: str) -> tuple[dict[int, list[int]], dict[int, str], bool]:
+        """What a previous owner already published: per choice its tokens (contiguous from seq 0),
+        the choices it ended (n > 1: index -> finish_reason), and whether the request finished."""
+        by_seq: dict[int, dict[int, tuple[list[int], str | None]]] = {}
         final = False
         for _, fields in self.r.xrange(reply_to):
             try:
@@ -560,11 +565,17 @@ class Service:
             if e.final:
                 final = True
             elif e.type == "token":
-                by_seq.setdefault(e.seq, e.ids)
-        out: list[int] = []
-        while len(out) in by_seq:
-            out.extend(by_seq[len(out)])
-        return out, final
+                by_seq.setdefault(e.index, {}).setdefault(e.seq, (e.ids, e.finish_reason))
+        choices: dict[int, list[int]] = {}
+        ended: dict[int, str] = {}
+        for index, entries in by_seq.items():
+            out = choices[index] = []
+            while len(out) in entries:
+                ids, reason = entries[len(out)]
+                out.extend(ids)
+                if reason:
+                    ended[index] = reason
+        return choices, ended, final
 
     # ------------------------------------------------------------------ control
 
@@ -603,7 +614,7 @@ class Service:
             if f is None:
                 continue
             if o.new_token_ids or o.text:
-                entry = token_entry(o.seq, o.new_token_ids, o.text)
+                entry = self._token_entry(f.req.params.n, o)
                 keys.append(f.req.reply_to)
                 args.append(2 * len(entry))
                 for kv in entry.items():
@@ -622,6 +633,13 @@ class Service:
             started, first = (wall(m.first_scheduled_time), wall(m.first_token_time)) if m else (None, None)
             self._finish(f, o.finish_reason or "stop", o.num_prompt_tokens, o.num_output_tokens, started, first, o)
 
+    def _token_entry(self, n: int, o: RequestOutput) -> dict[str, str]:
+        text = self.engine.token_text
+        wire = lambda lps: None if lps is None else [lp.wire(text) for lp in lps]  # noqa: E731
+        return token_entry(o.seq, o.new_token_ids, o.text, index=o.index if n > 1 else None,
+                           finish_reason=o.choice_finish_reason if n > 1 else None,
+                           logprobs=wire(o.logprobs), prompt_logprobs=wire(o.prompt_logprobs))
+
     def _publish(self, key: str, entry: dict[str, str]) -> None:
         self.outbox.add("xadd", key, entry, maxlen=self.s.result_maxlen, approximate=True)
         self.outbox.add("expire", key, self.s.result_ttl_s)
@@ -636,6 +654,7 @@ class Service:
             queue_s=max(0.0, (started or now) - f.enqueued_wall),
             ttft_s=None if first is None else max(0.0, first - f.enqueued_wall),
             total_s=max(0.0, now - f.enqueued_wall),
+            finish_reasons=output.finish_reasons if output is not None and f.req.params.n > 1 else None,
         ))
         self.counts["served"] += 1
         log.info("event=done id=%s reason=%s prompt_tokens=%d completion_tokens=%d", f.req.id, reason, prompt_tokens, completion_tokens)

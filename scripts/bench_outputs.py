@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""What the output features cost a decode step: a batch of plain requests against a batch
+that mixes plain, penalised (repetition, presence, frequency, logit_bias), logprob (top 5,
+plus prompt logprobs) and grammar (xgrammar) requests, side by side in one run.
+
+Both batches hold ``--seqs`` sequences (default 64) on the same engine config and weights
+(SmolLM2-135M by default); after every prompt is in, ``--steps`` decode steps are timed
+(all sequences decoding, none finishing), and the two batches alternate ``--repeat`` times.
+It prints the median step time of each and their ratio (the goal: mixed within 1.10x).
+
+    flock /tmp/bench.lock python scripts/bench_outputs.py
+    flock /tmp/bench.lock python scripts/bench_outputs.py --model tiny --seqs 16   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from worker.tuning import set_openmp_env, tune_process  # noqa: E402
+
+set_openmp_env()
+import torch  # noqa: E402
+
+from common.protocol import SamplingParams  # noqa: E402
+from worker.engine import Engine, EngineConfig  # noqa: E402
+
+# No end before the timed steps: a fixed-length regex and EOS ignored.
+GRAMMAR = {"regex": "[a-z ,.]{400}"}
+
+
+def load(name: str):
+    if name == "tiny":
+        sys.path.insert(0, str(ROOT / "tests"))
+        from tiny import tiny_model, tiny_tokenizer
+
+        return tiny_model(dtype=torch.float32), tiny_tokenizer()
+    from worker.models import load as load_model
+
+    return load_model(name, device="cpu", dtype="float32")
+
+
+def params(kind: str, i: int, max_tokens: int) -> SamplingParams:
+    base = dict(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True)
+    if kind == "penalised":
+        base.update(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={13: 2.0, 42: -5.0})
+    elif kind == "logprobs":
+        base.update(logprobs=5, prompt_logprobs=5)
+    elif kind == "grammar":
+        base.update(structured_outputs=GRAMMAR)
+    return SamplingParams(**base)
+
+
+def run(engine: Engine, prompts: list[list[int]], kinds: list[str], steps: int, tag: str) -> float:
+    """Median seconds per decode step with every sequence decoding."""
+    for i, (p, k) in enumerate(zip(prompts, kinds)):
+        engine.add_request(f"{tag}-{i}", p, params(k, i, steps + 8))
+    # prefill (and grammar compiles) until every sequence has its first token
+    started: set[str] = set()
+    while len(started) < len(prompts):
+        started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        outs = engine.step()
+        times.append(time.perf_counter() - t)
+        assert len(outs) == len(prompts), "a sequence finished or waited inside the timed steps"
+    for i in range(len(prompts)):
+        engine.abort(f"{tag}-{i}")
+    engine.step()
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="a model name/dir, or 'tiny'")
+    ap.add_argument("--seqs", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args()
+    tune_process()
+    model, tok = load(a.model)
+    cfg = EngineConfig(num_pages=a.seqs * (a.prompt_len + a.steps + 32) // 16 + 8, page_size=16, max_num_seqs=a.seqs,
+                       max_num_batched_tokens=max(2048, a.seqs * a.prompt_len))
+    engine = Engine(model, tok, cfg)
+    rng = random.Random(0)
+    vocab = engine.vocab_size
+    prompts = [[rng.randrange(100, vocab) for _ in range(a.prompt_len)] for _ in range(a.seqs)]
+    mixed = [("plain", "penalised", "logprobs", "grammar")[i % 4] for i in range(a.seqs)]
+    run(engine, prompts[:4], mixed[:4], 2, "warm")  # compiles the grammar, warms the caches
+    plain_t, mixed_t = [], []
+    for r in range(a.repeat):
+        plain_t.append(run(engine, prompts, ["plain"] * a.seqs, a.steps, f"p{r}"))
+        mixed_t.append(run(engine, prompts, mixed, a.steps, f"m{r}"))
+    p, m = statistics.median(plain_t), statistics.median(mixed_t)
+    print(f"model {a.model}, {a.seqs} sequences decoding, prompt {a.prompt_len} tokens, {a.steps} steps x {a.repeat} rounds, "
+          f"{torch.get_num_threads()} threads")
+    print("| batch | step ms (median) | ratio |")
+    print("| --- | --- | --- |")
+    print(f"| plain | {p * 1e3:.1f} | 1.00 |")
+    print(f"| mixed (1/4 each: plain, penalised, logprobs, grammar) | {m * 1e3:.1f} | {m / p:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

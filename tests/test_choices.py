@@ -22,8 +22,13 @@ PROMPT = random_prompts(random.Random(4), 1, (9, 9))[0]
 
 def test_greedy_choices_are_all_the_greedy_output():
     model, ref = pair()
-    run = drive(make_engine(model, num_pages=64), {0: [("g", PROMPT, SamplingParams(n=3, max_tokens=10, temperature=0, ignore_eos=True))]})
+    run = drive(make_engine(model, num_pages=64), {0: [("g", PROMPT, SamplingParams(n=3, max_tokens=10, temperature=0, ignore_eos=True,
+                                                                                  logprobs=2, prompt_logprobs=1))]})
     want = reference(ref, PROMPT, 10)
+    # every choice has its logprobs; the prompt's come once, with choice 0's first token
+    assert all(len(o.logprobs) == len(o.new_token_ids) for o in run.outputs["g"] if o.new_token_ids)
+    with_prompt = [o for o in run.outputs["g"] if o.prompt_logprobs]
+    assert [(o.index, o.seq, len(o.prompt_logprobs)) for o in with_prompt] == [(0, 0, len(PROMPT))]
     assert [run.choice("g", i) for i in range(3)] == [want] * 3
     final = run.final("g")
     assert final.finish_reasons == ["length"] * 3 and final.finish_reason == "length" and final.num_output_tokens == 30

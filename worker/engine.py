@@ -369,7 +369,7 @@ class Engine:
             choice_finish_reason=seq.finish_reason if ended else None,
             logprobs=[lp] if lp is not None else None,
         )
-        if new and first == 0 and seq.params.prompt_logprobs is not None:
+        if new and first == 0 and seq.index == 0 and seq.params.prompt_logprobs is not None:
             # the first prompt token has nothing before it to be scored by
             o.prompt_logprobs = [logprobs.TokenLogprob(seq.token_ids[0], None), *(seq.prompt_logprobs or [])]
         if finished:

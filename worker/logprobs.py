@@ -50,7 +50,7 @@ def prompt_span(seq, start: int, num_tokens: int) -> tuple[int, int]:
     """Positions [lo, hi) of a step's chunk whose logits score prompt tokens lo+1..hi. Only
     positions not scored yet: a preempted sequence recomputing its prompt scores nothing twice,
     and one with output tokens (published with the first of them, or resumed) nothing at all."""
-    if seq.params.prompt_logprobs is None or seq.num_output_tokens:
+    if seq.params.prompt_logprobs is None or seq.num_output_tokens or seq.index:  # n > 1: choice 0 scores it
         return 0, 0
     lo = max(start, len(seq.prompt_logprobs or ()))
     return lo, min(start + num_tokens, seq.num_prompt_tokens - 1)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Generator, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import redis
 import redis.asyncio
 
 from common.keys import Keys
-from common.protocol import Limits
+from common.protocol import Limits, RequestOptions
 from common.redis import connect_async
 from common.settings import Settings
 from producer.client import READ_COUNT, _block_ms
@@ -29,17 +29,19 @@ from producer.types import (
     START_ID,
     Chunk,
     GenerationTimeout,
+    ReaderView,
     Result,
     ResultReader,
     build_request,
     cancel_fields,
+    prepare_many,
     stream_entries,
 )
 
 __all__ = ["AsyncClient", "AsyncHandle"]
 
 
-class AsyncHandle:
+class AsyncHandle(ReaderView):
     """One submitted request: ``async for chunk in handle``, ``await handle.result()``,
     ``await handle`` (the same), ``await handle.cancel()``. Resumable like :class:`producer.Handle`."""
 
@@ -53,27 +55,6 @@ class AsyncHandle:
     def __repr__(self) -> str:
         return f"<AsyncHandle {self.id} {'done' if self.done else 'running'} tokens={self._state.next_seq}>"
 
-    @property
-    def done(self) -> bool:
-        return self._state.done
-
-    @property
-    def last_id(self) -> str:
-        return self._state.last_id
-
-    @property
-    def text(self) -> str:
-        return self._state.text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._state.token_ids)
-
-    @property
-    def finish_reason(self) -> str | None:
-        f = self._state.final
-        return None if f is None else (f.finish_reason if f.type == "done" else "error")
-
     async def _pull(self, block_ms: int) -> None:
         reply = await self.client.redis.xread({self.key: self._state.last_id}, count=READ_COUNT,
                                               block=max(1, block_ms))
@@ -83,9 +64,7 @@ class AsyncHandle:
         if not self.done:
             reply = await self.client.redis.xread({self.key: self._state.last_id}, count=READ_COUNT)
             self._state.feed(stream_entries(reply, self.key))
-        out = list(self._state.pending)
-        self._state.pending.clear()
-        return out
+        return self._take_pending()
 
     async def chunks(self, timeout: float | None = None) -> AsyncIterator[Chunk]:
         """Chunks as they arrive; raises GenerationError on an error entry, GenerationTimeout
@@ -157,39 +136,16 @@ class AsyncClient:
     async def submit(
         self,
         prompt: str | None = None,
-        *,
-        input_ids: list[int] | None = None,
-        messages: list[Mapping[str, Any]] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        ignore_eos: bool | None = None,
-        priority: str | int = "normal",
-        timeout_s: float | None = None,
-        id: str | None = None,
+        **options: Unpack[RequestOptions],
     ) -> AsyncHandle:
         """Queue one request (see :meth:`producer.Client.submit`)."""
-        rid, stream, fields = self.prepare(
-            prompt=prompt, input_ids=input_ids, messages=messages, max_tokens=max_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-            priority=priority, timeout_s=timeout_s, id=id)
+        rid, stream, fields = self.prepare(prompt=prompt, **options)
         await self.redis.xadd(stream, fields)
         return AsyncHandle(self, rid)
 
     async def submit_many(self, requests: list[Mapping[str, Any]]) -> list[AsyncHandle]:
         """Queue several requests in one round trip; all validated first, none sent if one is bad."""
-        prepared = []
-        for i, kw in enumerate(requests):
-            if not isinstance(kw, Mapping):
-                raise ValueError(f"requests[{i}] must be a dict of submit() arguments")
-            try:
-                prepared.append(self.prepare(**kw))
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"requests[{i}]: {e}") from None
+        prepared = prepare_many(self.keys, self.limits, requests)
         if not prepared:
             return []
         pipe = self.redis.pipeline(transaction=False)

@@ -8,7 +8,7 @@
         print(chunk.text, end="", flush=True)
     r = h.result()                        # Result: text, token_ids, finish_reason, usage, timings
 
-Everything travels over the public protocol of DESIGN.md §2: one XADD on
+Everything travels over the public protocol of docs/protocol.md: one XADD on
 ``{prefix}:requests:{level}``, then XREAD on ``{prefix}:result:{id}``.
 """
 
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import redis
 
 from common.keys import Keys
-from common.protocol import Limits
+from common.protocol import Limits, RequestOptions
 from common.redis import connect
 from common.settings import Settings
 from producer.types import (
@@ -29,10 +29,12 @@ from producer.types import (
     START_ID,
     Chunk,
     GenerationTimeout,
+    ReaderView,
     Result,
     ResultReader,
     build_request,
     cancel_fields,
+    prepare_many,
     stream_entries,
 )
 
@@ -44,7 +46,7 @@ def _settings(redis_url: str | None, prefix: str | None) -> Settings:
     return Settings.from_env(redis_url=redis_url, prefix=prefix)
 
 
-class Handle:
+class Handle(ReaderView):
     """One submitted request. Iterate it for :class:`Chunk` s; ``result()`` waits for the end.
 
     Reading is resumable: the handle keeps the id of the last entry it read, so a loop that
@@ -63,30 +65,6 @@ class Handle:
         return f"<Handle {self.id} {'done' if self.done else 'running'} tokens={self._state.next_seq}>"
 
     # -------------------------------------------------------------- state
-    @property
-    def done(self) -> bool:
-        """True once the final (``done`` or ``error``) entry has been read."""
-        return self._state.done
-
-    @property
-    def last_id(self) -> str:
-        """Id of the last result-stream entry read; ``client.attach(id, last_id=...)`` resumes from it."""
-        return self._state.last_id
-
-    @property
-    def text(self) -> str:
-        """The text received so far."""
-        return self._state.text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._state.token_ids)
-
-    @property
-    def finish_reason(self) -> str | None:
-        f = self._state.final
-        return None if f is None else (f.finish_reason if f.type == "done" else "error")
-
     # -------------------------------------------------------------- reading
     def _pull(self, block_ms: int) -> None:
         reply = self.client.redis.xread({self.key: self._state.last_id}, count=READ_COUNT, block=max(1, block_ms))
@@ -97,9 +75,7 @@ class Handle:
         if not self.done:
             reply = self.client.redis.xread({self.key: self._state.last_id}, count=READ_COUNT)
             self._state.feed(stream_entries(reply, self.key))
-        out = list(self._state.pending)
-        self._state.pending.clear()
-        return out
+        return self._take_pending()
 
     def chunks(self, timeout: float | None = None) -> Iterator[Chunk]:
         """Yield chunks as they arrive until the request ends.
@@ -197,20 +173,7 @@ class Client:
     def submit(
         self,
         prompt: str | None = None,
-        *,
-        input_ids: list[int] | None = None,
-        messages: list[Mapping[str, Any]] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        ignore_eos: bool | None = None,
-        priority: str | int = "normal",
-        timeout_s: float | None = None,
-        id: str | None = None,
+        **options: Unpack[RequestOptions],
     ) -> Handle:
         """Queue one request; returns its :class:`Handle` at once.
 
@@ -220,10 +183,7 @@ class Client:
         (``finish_reason timeout``) if the request has not started by then. Bad arguments
         raise ValueError before anything is sent.
         """
-        rid, stream, fields = self.prepare(
-            prompt=prompt, input_ids=input_ids, messages=messages, max_tokens=max_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-            priority=priority, timeout_s=timeout_s, id=id)
+        rid, stream, fields = self.prepare(prompt=prompt, **options)
         self.redis.xadd(stream, fields)
         return Handle(self, rid)
 
@@ -233,16 +193,7 @@ class Client:
         All are validated first: one bad request raises ValueError (naming its index) and
         none is sent.
         """
-        prepared = []
-        for i, kw in enumerate(requests):
-            if not isinstance(kw, Mapping):
-                raise ValueError(f"requests[{i}] must be a dict of submit() arguments")
-            try:
-                prepared.append(self.prepare(**kw))
-            except TypeError as e:  # an unknown argument name
-                raise ValueError(f"requests[{i}]: {e}") from None
-            except ValueError as e:
-                raise ValueError(f"requests[{i}]: {e}") from None
+        prepared = prepare_many(self.keys, self.limits, requests)
         if not prepared:
             return []
         pipe = self.redis.pipeline(transaction=False)

@@ -153,41 +153,6 @@ def prepare_many(keys: Any, limits: Any, requests: list[Mapping[str, Any]]) -> l
     return prepared
 
 
-class ReaderView:
-    """What a handle shows of its :class:`ResultReader` (``self._state``); shared by both handles."""
-
-    _state: ResultReader
-
-    @property
-    def done(self) -> bool:
-        """True once the final (``done`` or ``error``) entry has been read."""
-        return self._state.done
-
-    @property
-    def last_id(self) -> str:
-        """Id of the last result-stream entry read; ``client.attach(id, last_id=...)`` resumes from it."""
-        return self._state.last_id
-
-    @property
-    def text(self) -> str:
-        """The text received so far."""
-        return self._state.text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._state.token_ids)
-
-    @property
-    def finish_reason(self) -> str | None:
-        f = self._state.final
-        return None if f is None else (f.finish_reason if f.type == "done" else "error")
-
-    def _take_pending(self) -> list[Chunk]:
-        out = list(self._state.pending)
-        self._state.pending.clear()
-        return out
-
-
 class ResultReader:
     """The state of reading one result stream; shared by the sync and asyncio handles."""
 
@@ -255,5 +220,5 @@ class ResultReader:
 
 
 __all__ = ["CONTROL_MAXLEN", "START_ID", "Chunk", "GenerationCancelled", "GenerationError", "GenerationTimeout",
-           "Result", "ResultReader", "Timings", "Usage", "ReaderView", "build_request", "cancel_fields",
+           "Result", "ResultReader", "Timings", "Usage", "build_request", "cancel_fields",
            "prepare_many", "stream_entries"]

@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Generator, Mapping
-from typing import Any, Unpack
+from typing import Any
 
 import redis
 import redis.asyncio
+from typing_extensions import Unpack
 
 from common.protocol import Limits, RequestOptions
 from common.redis import connect_async

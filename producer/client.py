@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any, Unpack
+from typing import Any
 
 import redis
+from typing_extensions import Unpack
 
 from common.protocol import Limits, RequestOptions
 from common.redis import connect

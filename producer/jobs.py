@@ -17,7 +17,9 @@ cancels the tokenq request.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Unpack
+from typing import Any
+
+from typing_extensions import Unpack
 
 from common.protocol import RequestOptions
 from producer.client import Client

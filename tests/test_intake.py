@@ -84,10 +84,8 @@ def test_high_is_pulled_before_normal_and_low(svc, r, prefix):
     keys = Keys(prefix)
     for level in ("low", "normal", "high"):
         r.xadd(keys.requests(level), {"id": level, "input_ids": "[3, 4]", "max_tokens": "2"})
-    intake.pull(svc)
-    assert list(svc.inflight) == ["high"]  # waiting high work holds the lower levels back
-    svc.engine.step()
-    intake.pull(svc)
+    intake.pull(svc)  # one pass: high first, then normal and low by virtual arrival time
     assert list(svc.inflight) == ["high", "normal", "low"]
+    assert [svc.engine.scheduler.waiting[i].priority for i in range(3)] == [0, 1, 2]
     run_until(svc, lambda: not svc.inflight and not svc.outbox)
     assert all(final_entry(r, keys.result(level))["type"] == "done" for level in ("high", "normal", "low"))

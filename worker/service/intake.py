@@ -41,23 +41,25 @@ def pull(svc: Service) -> None:
         take(svc, reply)
 
 
-def _room(svc: Service, prio: int) -> int:
-    """How many entries of priority ``prio`` the engine could start soon."""
-    eng = svc.engine
-    if any(s.priority <= prio for s in eng.scheduler.waiting):
+def _room(svc: Service, prio: int, waiting: set[int], running: list[int]) -> int:
+    """How many entries of priority ``prio`` the engine could start soon (``waiting`` and
+    ``running``: the priorities the engine held when this pass began)."""
+    if any(p <= prio for p in waiting):
         return 0  # we already hold work of this level that cannot start: leave the rest to others
-    b = eng.budget()
+    b = svc.engine.budget()
     n = min(b.free_seqs, int(b.free_tokens // max(1.0, svc.avg_request_tokens)))
-    if n <= 0 and any(s.priority > prio for s in eng.scheduler.running):
+    if n <= 0 and any(p > prio for p in running):
         n = 1  # the scheduler may evict less urgent work for it
     return n
 
 
 def _pull_levels(svc: Service) -> int:
     """One non-blocking pass: ``high`` first (strict), then ``normal`` and ``low`` (aged)."""
+    waiting = {s.priority for s in svc.engine.scheduler.waiting}
+    running = [s.priority for s in svc.engine.scheduler.running]
     taken = 0
     for prio, level in enumerate(LEVELS):
-        n = _room(svc, prio)
+        n = _room(svc, prio, waiting, running)
         if n <= 0:
             return taken
         if prio == NORMAL and svc.s.aging_s > 0:

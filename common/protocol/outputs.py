@@ -1,5 +1,6 @@
 """What a request may ask of its outputs beyond sampling: logprobs, penalties, logit bias, n
-choices, structured output. Torch-free validation, and the wire form of logprobs.
+choices, structured output. Torch-free validation (SamplingParams calls :func:`check_params`, parse_request :func:`parse`),
+and the wire form of logprobs. docs/protocol.md, "Outputs", is the contract.
 
 The fields travel under the same names flat (redis-cli) or in a msgpack ``payload``;
 list/map values are JSON text when flat. Each field's parser and its encoder live here.
@@ -8,8 +9,9 @@ list/map values are JSON text when flat. Each field's parser and its encoder liv
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
+
+from common.protocol.fields import check, integer, is_int, is_num, number, structured
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -18,8 +20,45 @@ MAX_CHOICES = 256  # strings of structured_outputs.choice
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+FIELDS = ("n", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "min_tokens", "logit_bias", "structured_outputs")
+
+
+def check_params(p: Any) -> None:
+    """The output fields of a SamplingParams, checked (and normalised) in place."""
+    check(is_int(p.n) and 1 <= p.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(p, name)
+        check(v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS), name, f"must be an integer in [0, {MAX_LOGPROBS}]")
+    for name in ("presence_penalty", "frequency_penalty"):
+        check(is_num(getattr(p, name)) and -2 <= getattr(p, name) <= 2, name, "must be in [-2, 2]")
+    check(is_num(p.repetition_penalty) and 0 < p.repetition_penalty <= 10, "repetition_penalty", "must be in (0, 10]")
+    check(is_int(p.min_tokens) and 0 <= p.min_tokens <= p.max_tokens, "min_tokens", "must be an integer in [0, max_tokens]")
+    p.logit_bias = logit_bias(p.logit_bias)
+    if p.structured_outputs is not None:
+        p.structured_outputs = structured_outputs(p.structured_outputs)
+
+
+def parse(f: dict[str, Any], p: dict[str, Any]) -> None:
+    """The output fields of a request entry (flat strings or payload values) into ``p``."""
+    if "n" in f:
+        p["n"] = integer("n", f["n"], 1, MAX_N)
+    for name in ("logprobs", "prompt_logprobs"):
+        if name in f:
+            p[name] = integer(name, f[name], 0, MAX_LOGPROBS)
+    for name, lo, hi in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("repetition_penalty", 1e-9, 10)):
+        if name in f:
+            p[name] = number(name, f[name], lo, hi)
+    if "min_tokens" in f:
+        p["min_tokens"] = integer("min_tokens", f["min_tokens"], 0, 2**31 - 1)
+    if "logit_bias" in f:
+        p["logit_bias"] = logit_bias(structured("logit_bias", f["logit_bias"]))
+    if "structured_outputs" in f and "response_format" in f:
+        raise ValueError("give structured_outputs or response_format, not both")
+    if "structured_outputs" in f:
+        p["structured_outputs"] = structured_outputs(structured("structured_outputs", f["structured_outputs"]))
+    elif "response_format" in f:
+        p["structured_outputs"] = from_response_format(structured("response_format", f["response_format"]))
 
 
 def logit_bias(v: Any) -> dict[int, float]:
@@ -33,7 +72,7 @@ def logit_bias(v: Any) -> dict[int, float]:
         tid = k if isinstance(k, int) and not isinstance(k, bool) else int(k) if isinstance(k, str) and k.isdigit() and len(k) < 11 else -1
         if not 0 <= tid < 2**31:
             raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {str(k)[:40]!r}")
-        if not (_num(b) and -100 <= b <= 100):
+        if not (is_num(b) and -100 <= b <= 100):
             raise ValueError(f"logit_bias[{tid}] must be a number in [-100, 100]")
         out[tid] = float(b)
     return out

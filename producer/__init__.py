@@ -8,6 +8,7 @@ functions in :mod:`producer.jobs`.
 from producer.aio import AsyncClient, AsyncHandle
 from producer.client import Client, Handle
 from producer.types import (
+    Choice,
     Chunk,
     GenerationCancelled,
     GenerationError,
@@ -20,6 +21,7 @@ from producer.types import (
 __all__ = [
     "AsyncClient",
     "AsyncHandle",
+    "Choice",
     "Chunk",
     "Client",
     "GenerationCancelled",

@@ -59,6 +59,24 @@ class Chunk:
     seq: int
     token_ids: list[int]
     text: str
+    index: int = 0  # the choice (n > 1)
+    logprobs: list[dict] | None = None  # one per token (docs/protocol.md, "Outputs")
+    prompt_logprobs: list[dict] | None = None  # with choice 0's first chunk
+    finish_reason: str | None = None  # n > 1: this choice ended with this chunk
+
+
+@dataclass
+class Choice:
+    """One of a request's n outputs."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[dict] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
@@ -92,6 +110,9 @@ class Result:
     finish_reason: str
     usage: Usage = field(default_factory=Usage)
     timings: Timings = field(default_factory=Timings)
+    logprobs: list[dict] | None = None  # choice 0's, when asked for
+    prompt_logprobs: list[dict] | None = None
+    choices: list[Choice] = field(default_factory=list)  # every choice (text, token_ids above: choice 0's)
 
     def check(self) -> Result:
         """Raise :class:`GenerationTimeout` / :class:`GenerationCancelled` for a request that did not
@@ -112,7 +133,9 @@ class Result:
             "finish_reason": self.finish_reason,
             "usage": self.usage.to_dict(),
             "timings": asdict(self.timings),
-        }
+        } | ({"logprobs": self.logprobs} if self.logprobs is not None else {}) | (
+            {"prompt_logprobs": self.prompt_logprobs} if self.prompt_logprobs is not None else {}) | (
+            {"choices": [c.to_dict() for c in self.choices]} if len(self.choices) > 1 else {})
 
 
 # ---------------------------------------------------------------------------- reading
@@ -160,12 +183,23 @@ class ResultReader:
         self.request_id = request_id
         self.key = key
         self.last_id = last_id
-        self.next_seq = next_seq  # output tokens received so far (by this reader or the one it resumes)
-        self.token_ids: list[int] = []
-        self._text: list[str] = []
+        self.next_seqs = {0: next_seq}  # per choice: output tokens received so far (by this reader or the one it resumes)
+        self.choices: dict[int, Choice] = {}
+        self.prompt_logprobs: list[dict] | None = None
         self.final: ResultEntry | None = None
         self.pending: deque[Chunk] = deque()  # received, not yet handed to an iterator
         self.duplicates = 0
+
+    @property
+    def next_seq(self) -> int:
+        return self.next_seqs[0]
+
+    def _choice(self, index: int) -> Choice:
+        return self.choices.setdefault(index, Choice(index, "", []))
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._choice(0).token_ids
 
     @property
     def done(self) -> bool:
@@ -173,7 +207,7 @@ class ResultReader:
 
     @property
     def text(self) -> str:
-        return "".join(self._text)
+        return self._choice(0).text
 
     def feed(self, entries: list[tuple[str, Mapping[Any, Any]]]) -> None:
         for eid, fields in entries:
@@ -186,17 +220,28 @@ class ResultReader:
                 log.warning("ignoring malformed entry %s on %s: %s", eid, self.key, exc)
                 continue
             if e.type == "token":
-                if e.seq < self.next_seq:  # already have it (a resumed request re-sent it)
-                    self.duplicates += 1
-                    continue
-                if e.seq > self.next_seq:
-                    log.warning("gap on %s: expected seq %d, got %d", self.key, self.next_seq, e.seq)
-                self.next_seq = e.seq + len(e.ids)
-                self.token_ids.extend(e.ids)
-                self._text.append(e.text)
-                self.pending.append(Chunk(e.seq, list(e.ids), e.text))
+                self._token(e)
             else:
                 self.final = e
+
+    def _token(self, e: ResultEntry) -> None:
+        expected = self.next_seqs.get(e.index, 0)
+        if e.seq < expected:  # already have it (a resumed request re-sent it)
+            self.duplicates += 1
+            return
+        if e.seq > expected:
+            log.warning("gap on %s: expected seq %d, got %d", self.key, expected, e.seq)
+        self.next_seqs[e.index] = e.seq + len(e.ids)
+        c = self._choice(e.index)
+        c.token_ids.extend(e.ids)
+        c.text += e.text
+        if e.logprobs is not None:
+            c.logprobs = (c.logprobs or []) + e.logprobs
+        if e.finish_reason:
+            c.finish_reason = e.finish_reason
+        if e.prompt_logprobs is not None:
+            self.prompt_logprobs = e.prompt_logprobs
+        self.pending.append(Chunk(e.seq, list(e.ids), e.text, e.index, e.logprobs, e.prompt_logprobs, e.finish_reason))
 
     def error(self) -> GenerationError | None:
         if self.final is not None and self.final.type == "error":
@@ -209,16 +254,26 @@ class ResultReader:
             raise err
         assert self.final is not None
         f = self.final
+        reason = f.finish_reason or "stop"
+        reasons = f.finish_reasons or [reason]
+        for i, r in enumerate(reasons):  # every choice, each with its end (a cancelled one may have no tokens)
+            c = self._choice(i)
+            c.finish_reason = r
+            c.token_ids, c.logprobs = list(c.token_ids), None if c.logprobs is None else list(c.logprobs)
+        first = self._choice(0)
         return Result(
             id=self.request_id,
-            text=self.text,
-            token_ids=list(self.token_ids),
-            finish_reason=f.finish_reason or "stop",
-            usage=Usage(f.prompt_tokens, f.completion_tokens or len(self.token_ids)),
+            text=first.text,
+            token_ids=list(first.token_ids),
+            finish_reason=reason,
+            usage=Usage(f.prompt_tokens, f.completion_tokens or len(first.token_ids)),
             timings=Timings(f.queue_s, f.ttft_s, f.total_s),
+            logprobs=first.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            choices=[self.choices[i] for i in sorted(self.choices)],
         )
 
 
-__all__ = ["CONTROL_MAXLEN", "START_ID", "Chunk", "GenerationCancelled", "GenerationError", "GenerationTimeout",
+__all__ = ["CONTROL_MAXLEN", "START_ID", "Choice", "Chunk", "GenerationCancelled", "GenerationError", "GenerationTimeout",
            "Result", "ResultReader", "Timings", "Usage", "build_request", "cancel_fields",
            "prepare_many", "stream_entries"]

@@ -120,11 +120,13 @@ def test_batch_prompts_and_token_ids(oai):
     ({"max_tokens": 100_000}, 400, "max_tokens"),
     ({"temperature": -0.5}, 400, "temperature"),
     ({"top_p": 1.5}, 400, "top_p"),
-    ({"n": 2}, 400, "n"),
-    ({"logprobs": 1}, 400, "logprobs"),
-    ({"echo": True}, 400, "echo"),
+    ({"n": 17}, 400, "n"),
+    ({"logprobs": 21}, 400, "logprobs"),
     ({"best_of": 3}, 400, "best_of"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, 400, "structured_outputs"),
+    ({"extra_body": {"response_format": {"type": "xml"}}}, 400, "response_format"),
     ({"stop": [""]}, 400, "stop"),
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": [[1, 2], "mixed"]}, 400, "prompt"),
@@ -147,8 +149,8 @@ def test_invalid_requests(oai, kwargs, status, param):
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
-    ({"logprobs": True}, "logprobs"),
-    ({"n": 3}, "n"),
+    ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+    ({"n": 0}, "n"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
 ])
 def test_invalid_chat_requests(oai, kwargs, param):

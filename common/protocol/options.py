@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict
 
 from common.keys import LEVELS, Keys, priority_of
+from common.protocol import outputs
 from common.protocol.fields import ID_RE, ID_RULE
 from common.protocol.request import INPUTS, Limits, Request, SamplingParams, parse_request
 
@@ -30,6 +31,17 @@ class RequestOptions(TypedDict, total=False):
     stop: str | list[str] | None
     stop_token_ids: list[int] | None
     ignore_eos: bool | None
+    # outputs (docs/protocol.md, "Outputs")
+    n: int | None
+    logprobs: int | None
+    prompt_logprobs: int | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    repetition_penalty: float | None
+    min_tokens: int | None
+    logit_bias: Mapping[int, float] | None
+    structured_outputs: Mapping[str, Any] | None  # exactly one of json, json_object, regex, choice, grammar
+    response_format: Mapping[str, Any] | None  # OpenAI's; becomes structured_outputs
     priority: str | int
     timeout_s: float | None
     id: str | None
@@ -86,6 +98,14 @@ def _level(priority: str | int) -> str:
 
 def _params(options: Mapping[str, Any]) -> SamplingParams:
     sampling = {k: options[k] for k in SAMPLING_KEYWORDS if options.get(k) is not None}
+    if options.get("response_format") is not None:
+        if "structured_outputs" in sampling:
+            raise ValueError("give structured_outputs or response_format, not both")
+        sampling["structured_outputs"] = outputs.from_response_format(dict(options["response_format"]))
+    if isinstance(sampling.get("logit_bias"), Mapping):
+        sampling["logit_bias"] = dict(sampling["logit_bias"])
+    if isinstance(sampling.get("structured_outputs"), Mapping):
+        sampling["structured_outputs"] = dict(sampling["structured_outputs"])
     if "stop" in sampling and not isinstance(sampling["stop"], (str, list, tuple)):
         raise ValueError("stop must be a string or a list of strings")
     return SamplingParams(**sampling)  # type checks: ValueError naming the field

@@ -36,11 +36,50 @@ def _submit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past end-of-sequence")
+    _output_args(p)
     p.add_argument("--timeout-s", type=positive_float, help="give up if no worker starts it within this many seconds")
     p.add_argument("--wait", type=positive_float, metavar="S", help="stop waiting (and cancel) after S seconds")
     p.add_argument("--id", help="request id (default: a random one)")
     p.add_argument("--json", action="store_true", help="print the whole result as one JSON object instead of streaming")
     p.add_argument("-q", "--quiet", action="store_true", help="no summary line on standard error")
+
+
+def _output_args(p: argparse.ArgumentParser) -> None:
+    o = p.add_argument_group("outputs (README, \"Outputs\")")
+    o.add_argument("-n", "--n", type=int, help="choices to generate (1-16), each printed when done")
+    o.add_argument("--logprobs", type=int, metavar="N", help="log-probabilities of each token and its top N (0-20)")
+    o.add_argument("--prompt-logprobs", type=int, metavar="N", help="the same for each prompt token")
+    o.add_argument("--presence-penalty", type=float)
+    o.add_argument("--frequency-penalty", type=float)
+    o.add_argument("--repetition-penalty", type=float)
+    o.add_argument("--min-tokens", type=int, help="no EOS or stop token before this many tokens")
+    o.add_argument("--logit-bias", metavar="JSON", help='token id -> bias in [-100, 100], e.g. \'{"13": -100}\'')
+    g = o.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="JSON", help="the output is JSON valid under this schema")
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument("--regex", help="the output matches this regular expression")
+    g.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    g.add_argument("--grammar", metavar="EBNF", help="the output follows this grammar (xgrammar's EBNF)")
+
+
+def _json_arg(flag: str, value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise UsageError(f"{flag} must be JSON, got {value[:60]!r}") from None
+
+
+def _outputs(args: argparse.Namespace) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(n=args.n, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
+                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                              repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens)
+    if args.logit_bias is not None:
+        kw["logit_bias"] = _json_arg("--logit-bias", args.logit_bias)
+    so = ({"json": _json_arg("--json-schema", args.json_schema)} if args.json_schema is not None
+          else {"json_object": True} if args.json_object else {"regex": args.regex} if args.regex is not None
+          else {"choice": args.choice} if args.choice else {"grammar": args.grammar} if args.grammar is not None else None)
+    kw["structured_outputs"] = so
+    return kw
 
 
 def _request(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,7 +109,7 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
             kw["prompt"] = prompt
     kw.update(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, priority=args.priority,
-              timeout_s=args.timeout_s, id=args.id)
+              timeout_s=args.timeout_s, id=args.id, **_outputs(args))
     return kw
 
 
@@ -116,9 +155,15 @@ def _say_queued(args: argparse.Namespace, r: redis.Redis, prefix: str, rid: str)
 
 def _read(args: argparse.Namespace, h: Any) -> Any:
     """The result: streamed to standard output as it comes, or whole (--json)."""
+    out = sys.stdout
     if args.json:
         return h.result(timeout=args.wait)
-    out = sys.stdout
+    if (args.n or 1) > 1:  # several choices: each printed whole, in order, once all are done
+        res = h.result(timeout=args.wait)
+        for c in res.choices:
+            out.write(f"[{c.index}] {c.text}\n")
+        out.flush()
+        return res
     for c in h.chunks(timeout=args.wait):
         out.write(c.text)
         out.flush()

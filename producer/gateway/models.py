@@ -54,23 +54,21 @@ class GenerationBody(BaseModel):
     timeout_s: Number | None = None  # extension
     priority: StrictStr | StrictInt | None = None  # extension (or the X-Priority header)
     request_id: Any = None  # extension: the tokenq request id (``-<i>`` appended per prompt of a batch)
-    n: Any = None
+    n: StrictInt | None = None
     best_of: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
-    logprobs: Any = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None  # extension (vLLM's)
+    min_tokens: StrictInt | None = None  # extension (vLLM's)
+    logit_bias: dict[str, Number] | None = None  # token id (as a JSON key) -> bias
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # extension (vLLM's, in the openai client's extra_body)
 
     chat: ClassVar[bool] = False
     # Fields tokenq does not support (yet): field -> (what is accepted, the message otherwise).
     # Supporting one means taking it out of here and giving it a meaning in ``options``.
     unsupported: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
-        "n": (lambda v: v in (None, 1), "n must be 1: tokenq returns one choice per prompt"),
         "best_of": (lambda v: v in (None, 1), "best_of must be 1"),
-        "presence_penalty": (lambda v: v in (None, 0), "presence_penalty is not supported (only 0)"),
-        "frequency_penalty": (lambda v: v in (None, 0), "frequency_penalty is not supported (only 0)"),
-        "logit_bias": (lambda v: not v, "logit_bias is not supported"),
-        "logprobs": (lambda v: v in (None, False), "logprobs are not supported"),
     }
 
     @classmethod
@@ -140,17 +138,23 @@ class CompletionRequest(GenerationBody):
     """``POST /v1/completions``."""
 
     prompt: Any = None  # a string, strings, token ids, or arrays of token ids (see _prompts)
-    echo: Any = None
+    echo: StrictBool | None = None
     suffix: Any = None
+    logprobs: StrictInt | None = None  # top N per token (0-20); with echo, the prompt's too
 
     unsupported: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
         **GenerationBody.unsupported,
-        "echo": (lambda v: not v, "echo is not supported"),
         "suffix": (lambda v: v is None, "suffix is not supported"),
     }
 
     def items(self) -> list[dict[str, Any]]:
         return _prompts(self.prompt)
+
+    def options(self, priority_header: str | None = None) -> dict[str, Any]:
+        kw = super().options(priority_header)
+        if self.echo and self.logprobs is not None:
+            kw["prompt_logprobs"] = self.logprobs
+        return kw
 
     def default_max_tokens(self) -> int | None:
         return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
@@ -161,23 +165,29 @@ class ChatCompletionRequest(GenerationBody):
 
     messages: Any = None  # OpenAI's messages: content as a string or text parts (see _messages)
     max_completion_tokens: StrictInt | None = None
-    top_logprobs: Any = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
     tools: Any = None
     functions: Any = None
-    response_format: Any = None
 
     chat: ClassVar[bool] = True
     unsupported: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
         **GenerationBody.unsupported,
-        "top_logprobs": (lambda v: v in (None, 0), "top_logprobs are not supported"),
         "tools": (lambda v: not v, "tools and function calling are not supported"),
         "functions": (lambda v: not v, "tools and function calling are not supported"),
-        "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") in (None, "text")),
-                            "only response_format {\"type\": \"text\"} is supported"),
     }
 
     def items(self) -> list[dict[str, Any]]:
         return [{"messages": _messages(self.messages)}]
+
+    def options(self, priority_header: str | None = None) -> dict[str, Any]:
+        kw = super().options(priority_header)  # (logprobs here is OpenAI's flag, top_logprobs the count)
+        kw.pop("logprobs", None)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.logprobs:
+            kw["logprobs"] = self.top_logprobs or 0
+        return kw
 
     def default_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens

@@ -81,8 +81,12 @@ async def answer(request: Request, gw: Gateway, raw: Any, kind: type[GenerationB
     if isinstance(raw, dict) and isinstance(raw.get("model"), str):
         gw.check_model(raw["model"])  # an unknown model is a 404 before any other fault
     body = kind.parse(raw)
-    reply = Reply(kind.chat, gw.check_model(body.model), [], body.include_usage)
-    reply.handles = await submit_all(gw.client, body.requests(request.headers.get("x-priority")))
+    reply = Reply(kind.chat, gw.check_model(body.model), [], body.include_usage, n=body.n or 1,
+                  logprobs=body.logprobs not in (None, False))
+    requests = body.requests(request.headers.get("x-priority"))
+    if getattr(body, "echo", None):
+        reply.echo = [r.get("prompt") or "" for r in requests]
+    reply.handles = await submit_all(gw.client, requests)
     events = Events(reply.handles)
     watcher = asyncio.ensure_future(until_disconnected(request))
 

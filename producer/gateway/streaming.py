@@ -60,7 +60,7 @@ async def _events(reply: Reply, events: Events, ev: tuple | None, usage: Callabl
     finished: list[Result] = []
     try:
         if reply.chat:
-            yield sse(reply.chunk([reply.delta(i, "", None, role=True) for i in range(len(reply.handles))]))
+            yield sse(reply.chunk([reply.delta(i, "", None, role=True) for i in range(len(reply.handles) * reply.n)]))
         while True:
             if ev is None:  # nothing for a while (still queued?): keep proxies from timing out
                 yield ": keep-alive\n\n"
@@ -68,11 +68,14 @@ async def _events(reply: Reply, events: Events, ev: tuple | None, usage: Callabl
                 continue
             kind, i, val = ev
             if kind == "chunk":
-                if val.text:
-                    yield sse(reply.chunk([reply.delta(i, val.text, None)]))
+                choice = reply.streamed(i, val)
+                if choice is not None:
+                    yield sse(reply.chunk([choice]))
             elif kind == "done":
                 finished.append(val)
-                yield sse(reply.chunk([reply.delta(i, None if reply.chat else "", val.finish_reason)]))
+                ends = reply.ends(i, val)
+                if ends:
+                    yield sse(reply.chunk(ends))
             else:
                 e = generation_error(val)
                 yield sse(error_body(e.message, e.type, e.param, e.code))

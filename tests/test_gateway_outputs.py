@@ -113,3 +113,20 @@ def test_client_choices_and_logprobs(client):
     assert r.text == r.choices[0].text and r.usage.completion_tokens == 15
     d = r.to_dict()
     assert len(d["choices"]) == 3 and d["logprobs"] == r.choices[0].logprobs
+
+
+def test_submit_flags(worker, redis_url, capsys):
+    from producer.cli import main
+
+    prefix, _ = worker
+    common = ["--redis-url", redis_url, "--prefix", prefix, "-q"]
+    assert main(["submit", "Answer:", "--choice", "yes", "--choice", "no", "-n", "3", "--seed", "4", *common]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln[:4] for ln in lines] == ["[0] ", "[1] ", "[2] "] and all(ln[4:] in ("yes", "no") for ln in lines)
+    assert main(["submit", "JSON:", "--json-schema", json.dumps(SCHEMA), "--logprobs", "2", "--presence-penalty", "0.3",
+                 "--repetition-penalty", "1.1", "--min-tokens", "2", "--logit-bias", '{"7": -50}', "--json", *common]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert json.loads(res["text"])["ok"] in (True, False) and len(res["logprobs"]) == len(res["token_ids"])
+    assert main(["submit", "x", "--regex", "[a-", *common]) == 1
+    assert "structured_outputs.regex is invalid" in capsys.readouterr().err
+    assert main(["submit", "x", "--logit-bias", "{nope", *common]) == 2

@@ -125,7 +125,7 @@ class Engine:
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = self._eos_ids(model, tokenizer)
         self._seqs: dict[str, list[Sequence]] = {}  # request id -> its choices (n of them)
-        self._compiling: list[Sequence] = []  # waiting for their grammar, not in the scheduler yet
+        self._pending: list[Sequence] = []  # not in the scheduler yet: their grammar compiles, or choice 0 prefills
         self._grammar_pool: structured.Grammars | None = None
         self._arrivals = itertools.count()
         self._aborted: list[RequestOutput] = []
@@ -195,8 +195,8 @@ class Engine:
             group.append(seq)
             if ended and i in ended:
                 seq.status, seq.finish_reason = Status.FINISHED, ended[i]
-            elif grammar is not None:
-                self._compiling.append(seq)  # joins the scheduler when its grammar is ready
+            elif grammar is not None or (i and self._share_prompt):
+                self._pending.append(seq)  # joins the scheduler when ready (_ready)
             else:
                 self.scheduler.add(seq)
         self._seqs[request_id] = group
@@ -208,21 +208,36 @@ class Engine:
             self._grammar_pool = structured.Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammar_pool
 
-    def _start_compiled(self, now: float) -> list[RequestOutput]:
-        """Sequences whose grammar finished compiling join the scheduler (or fail, if it is invalid)."""
+    @property
+    def _share_prompt(self) -> bool:
+        # With prefix caching, choices 1.. wait for choice 0's prefill and then find its prompt pages cached.
+        return bool(getattr(self.config, "enable_prefix_caching", False))
+
+    def _ready(self, seq: Sequence) -> bool:
+        if seq.grammar is not None and not seq.grammar.future.done():
+            return False
+        if seq.index and self._share_prompt:
+            lead = self._seqs[seq.request_id][0]
+            return lead.status is Status.FINISHED or lead.num_output_tokens > 0
+        return True
+
+    def _start_pending(self, now: float) -> list[RequestOutput]:
+        """Pending sequences that are ready join the scheduler (or fail, with an invalid grammar)."""
         outputs = []
-        for seq in [s for s in self._compiling if s.grammar.future.done()]:
-            if seq not in self._compiling:
+        for seq in [s for s in self._pending if self._ready(s)]:
+            if seq not in self._pending:
                 continue  # a sibling choice's failed grammar ended it just now
-            self._compiling.remove(seq)
+            self._pending.remove(seq)
             try:
-                seq.grammar.start(seq.output_ids)
-            except ValueError as e:
+                if seq.grammar is not None:
+                    seq.grammar.start(seq.output_ids)
+            except Exception as e:  # ValueError: the spec does not compile (or resumed tokens do not fit)
+                code = "invalid_request" if isinstance(e, ValueError) else "internal"
                 for other in self._seqs.get(seq.request_id, []):
-                    if other in self._compiling:
-                        self._compiling.remove(other)
+                    if other in self._pending:
+                        self._pending.remove(other)
                     self._end(other, "error")
-                    other.error = ("invalid_request", str(e))
+                    other.error = (code, str(e))
                 outputs += self._close_group(seq, now)
                 continue
             self.scheduler.add(seq)
@@ -234,8 +249,8 @@ class Engine:
         if group is None:
             return False
         for seq in group:
-            if seq in self._compiling:
-                self._compiling.remove(seq)
+            if seq in self._pending:
+                self._pending.remove(seq)
             self._end(seq, "cancelled")
         self._aborted += self._close_group(group[0], time.monotonic())
         return True
@@ -243,7 +258,7 @@ class Engine:
     def _end(self, seq: Sequence, reason: str) -> None:
         if seq.status is not Status.FINISHED:
             if seq.status is Status.WAITING and seq not in self.scheduler.waiting:
-                seq.status, seq.finish_reason = Status.FINISHED, reason  # still compiling its grammar
+                seq.status, seq.finish_reason = Status.FINISHED, reason  # still pending (see _ready)
             else:
                 self.scheduler.finish(seq, reason)
 
@@ -284,8 +299,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
         outputs, self._aborted = self._aborted, []
-        if self._compiling:
-            outputs += self._start_compiled(t0)
+        if self._pending:
+            outputs += self._start_pending(t0)
         out = self.scheduler.schedule(t0)
         for seq in out.finished:  # rejected or timed out without running
             outputs += self._close_group(seq, t0)
@@ -306,9 +321,9 @@ class Engine:
                 outputs += self._append(seq, tok, now, lp)
             st.num_generated_tokens += len(seqs)
             st.num_steps += 1
-        elif self._compiling and not outputs:
+        elif self._pending and not outputs:
             # only grammars compiling: wait for one (briefly) instead of spinning the loop
-            concurrent.futures.wait([s.grammar.future for s in self._compiling], timeout=0.005,
+            concurrent.futures.wait([s.grammar.future for s in self._pending if s.grammar is not None], timeout=0.005,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
         st.last_batch_tokens = out.num_batched_tokens
         st.last_step_s = time.monotonic() - t0

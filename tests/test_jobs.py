@@ -146,3 +146,15 @@ def test_rq_job_timeout_cancels_the_request(worker, redis_url, queue):
     with Client(redis_url, prefix) as c:
         res = c.attach(job.meta["tokenq_id"]).result(timeout=60)
     assert res.finish_reason == "cancelled" and len(res.token_ids) < 2000
+
+
+def test_generate_job_with_outputs(worker, redis_url, queue):
+    """The output keywords reach the worker from an RQ job; choices and logprobs come back in the dict."""
+    prefix, _ = worker
+    job = queue.enqueue(generate, prompt="Answer:", max_tokens=6, n=2, seed=1, logprobs=1,
+                        structured_outputs={"choice": ["yes", "no"]}, redis_url=redis_url, prefix=prefix)
+    work(queue)
+    assert job.get_status() == JobStatus.FINISHED, failure(job)
+    out = job.return_value()
+    assert [c["text"] in ("yes", "no") for c in out["choices"]] == [True, True]
+    assert len(out["logprobs"]) == len(out["token_ids"]) and out["choices"][0]["text"] == out["text"]

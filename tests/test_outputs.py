@@ -207,3 +207,11 @@ def test_min_tokens_masks_eos_and_stop_tokens():
     run = drive(make_engine(model, num_pages=64), {0: [("s", prompt, p)]})
     out = run.tokens("s")
     assert len(out) == 5 and out[-1] == 40 and 40 not in out[:4] and run.reason("s") == "stop"
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused():
+    model, _ = pair()
+    engine = make_engine(model, num_pages=16)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("b", [5, 6], SamplingParams(logit_bias={100_000: 1.0}))
+    assert not engine.has_unfinished()

@@ -170,7 +170,8 @@ class Engine:
         gen = list(generated_ids or [])
         per_choice = gen if gen and isinstance(gen[0], list) else [gen]
         per_choice += [[]] * (params.n - len(per_choice))
-        bad = next((t for ids in [prompt_token_ids, *per_choice] for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        bad = next((t for ids in [prompt_token_ids, *per_choice, params.logit_bias] for t in ids
+                    if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
         if (params.stop or params.structured_outputs) and self.tokenizer is None:
@@ -285,7 +286,7 @@ class Engine:
         free_pages = self.allocator.num_available - s.pages_waiting()
         return Budget(
             free_tokens=max(0, free_pages) * self.config.page_size,
-            free_seqs=max(0, self.config.max_num_seqs - len(s.running) - len(s.waiting)),
+            free_seqs=max(0, self.config.max_num_seqs - len(s.running) - len(s.waiting) - len(self._pending)),
         )
 
     def can_admit(self, num_prompt_tokens: int, max_tokens: int, priority: int = 1) -> Decision:

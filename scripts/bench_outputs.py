@@ -33,6 +33,7 @@ set_openmp_env()
 import torch  # noqa: E402
 
 from common.protocol import SamplingParams  # noqa: E402
+from worker import sampler  # noqa: E402
 from worker.engine import Engine, EngineConfig  # noqa: E402
 
 # No end before the timed steps: a fixed-length regex and EOS ignored.
@@ -61,8 +62,23 @@ def params(kind: str, i: int, max_tokens: int) -> SamplingParams:
     return SamplingParams(**base)
 
 
-def run(engine: Engine, prompts: list[list[int]], kinds: list[str], steps: int, tag: str) -> float:
-    """Median seconds per decode step with every sequence decoding."""
+SAMPLING: list[float] = []  # seconds of each sampler.sample_step call (penalties, masks, logprobs, sampling)
+
+
+def _time_sampling() -> None:
+    real = sampler.sample_step
+
+    def timed(*args, **kw):
+        t = time.perf_counter()
+        out = real(*args, **kw)
+        SAMPLING.append(time.perf_counter() - t)
+        return out
+
+    sampler.sample_step = timed
+
+
+def run(engine: Engine, prompts: list[list[int]], kinds: list[str], steps: int, tag: str) -> tuple[float, float]:
+    """Median seconds per decode step with every sequence decoding, and of its sampling stage."""
     for i, (p, k) in enumerate(zip(prompts, kinds)):
         engine.add_request(f"{tag}-{i}", p, params(k, i, steps + 64))
     # prefill (and grammar compiles) until every sequence has its first token
@@ -70,15 +86,17 @@ def run(engine: Engine, prompts: list[list[int]], kinds: list[str], steps: int, 
     while len(started) < len(prompts):
         started |= {o.request_id for o in engine.step() if o.new_token_ids}
     times = []
+    SAMPLING.clear()
     for _ in range(steps):
         t = time.perf_counter()
         outs = engine.step()
         times.append(time.perf_counter() - t)
         assert len(outs) == len(prompts), ("a sequence finished or waited inside the timed steps", [(o.request_id, o.finish_reason, o.error) for o in outs if o.finished])
+    sampling = statistics.median(SAMPLING)
     for i in range(len(prompts)):
         engine.abort(f"{tag}-{i}")
     engine.step()
-    return statistics.median(times)
+    return statistics.median(times), sampling
 
 
 def main() -> None:
@@ -90,6 +108,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     a = ap.parse_args()
     tune_process()
+    _time_sampling()
     model, tok = load(a.model)
     cfg = EngineConfig(num_pages=a.seqs * (a.prompt_len + a.steps + 32) // 16 + 8, page_size=16, max_num_seqs=a.seqs,
                        max_num_batched_tokens=max(2048, a.seqs * a.prompt_len))
@@ -107,13 +126,13 @@ def main() -> None:
     for r in range(a.repeat):
         plain_t.append(run(engine, prompts, ["plain"] * a.seqs, a.steps, f"p{r}"))
         mixed_t.append(run(engine, prompts, mixed, a.steps, f"m{r}"))
-    p, m = statistics.median(plain_t), statistics.median(mixed_t)
+    (p, ps), (m, ms) = (tuple(statistics.median(x) for x in zip(*t)) for t in (plain_t, mixed_t))
     print(f"model {a.model}, {a.seqs} sequences decoding, prompt {a.prompt_len} tokens, {a.steps} steps x {a.repeat} rounds, "
           f"{torch.get_num_threads()} threads")
-    print("| batch | step ms (median) | ratio |")
-    print("| --- | --- | --- |")
-    print(f"| plain | {p * 1e3:.1f} | 1.00 |")
-    print(f"| mixed (1/4 each: plain, penalised, logprobs, grammar) | {m * 1e3:.1f} | {m / p:.3f} |")
+    print("| batch | step ms (median) | ratio | of it, sampling stage ms |")
+    print("| --- | --- | --- | --- |")
+    print(f"| plain | {p * 1e3:.1f} | 1.00 | {ps * 1e3:.2f} |")
+    print(f"| mixed (1/4 each: plain, penalised, logprobs, grammar) | {m * 1e3:.1f} | {m / p:.3f} | {ms * 1e3:.2f} |")
 
 
 if __name__ == "__main__":

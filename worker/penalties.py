@@ -33,21 +33,24 @@ def _active(s: Sequence) -> bool:
 
 
 def apply(logits: torch.Tensor, seqs: list[Sequence], stop_ids: set[int]) -> torch.Tensor:
-    """``logits`` [S, vocab] adjusted in place for ``seqs`` (same order); returns it."""
+    """``logits`` [S, vocab] adjusted in place for ``seqs`` (same order); returns it. Sparse:
+    only the (row, token) cells of tokens a sequence holds are read and written."""
     vocab = logits.shape[-1]
     _bias(logits, seqs, stop_ids, vocab)
     rep = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
     if rep:
-        seen = _presence(logits, [seqs[i].token_ids for i in rep], vocab) > 0
-        pen = logits.new_tensor([seqs[i].params.repetition_penalty for i in rep])[:, None]
-        x = logits[rep]
-        logits[rep] = torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)
+        cells, _ = _cells(logits, rep, [seqs[i].token_ids for i in rep], vocab)
+        r, t = cells // vocab, cells % vocab
+        pen = logits.new_tensor([s.params.repetition_penalty for s in seqs])[r]
+        x = logits[r, t]
+        logits[r, t] = torch.where(x > 0, x / pen, x * pen)
     freq = [i for i, s in enumerate(seqs) if s.params.presence_penalty or s.params.frequency_penalty]
     if freq:
-        counts = _presence(logits, [seqs[i].output_ids for i in freq], vocab)
-        f = logits.new_tensor([seqs[i].params.frequency_penalty for i in freq])[:, None]
-        p = logits.new_tensor([seqs[i].params.presence_penalty for i in freq])[:, None]
-        logits[freq] -= f * counts + p * (counts > 0)
+        cells, counts = _cells(logits, freq, [seqs[i].output_ids for i in freq], vocab)
+        r, t = cells // vocab, cells % vocab
+        f = logits.new_tensor([s.params.frequency_penalty for s in seqs])[r]
+        p = logits.new_tensor([s.params.presence_penalty for s in seqs])[r]
+        logits[r, t] -= f * counts.to(logits.dtype) + p
     return logits
 
 
@@ -73,10 +76,11 @@ def _bias(logits: torch.Tensor, seqs: list[Sequence], stop_ids: set[int], vocab:
         logits[_ints(ban_r).to(dev), _ints(ban_t).to(dev)] = float("-inf")
 
 
-def _presence(logits: torch.Tensor, ids: list[list[int]], vocab: int) -> torch.Tensor:
-    """[len(ids), vocab] token counts (in the logits' dtype), built with one scatter."""
+def _cells(logits: torch.Tensor, rows: list[int], ids: list[list[int]], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct (row, token) cells of ``ids`` (``ids[k]`` belongs to logits row ``rows[k]``),
+    as ``row * vocab + token``, and how often each occurs."""
     lens = _ints([len(x) for x in ids])
-    flat = _ints([t for x in ids for t in x]).to(logits.device)
-    row = torch.repeat_interleave(torch.arange(len(ids)), lens).to(logits.device)
-    counts = torch.zeros(len(ids), vocab, dtype=logits.dtype, device=logits.device)
-    return counts.index_put_((row, flat), torch.ones_like(flat, dtype=logits.dtype), accumulate=True)
+    flat = _ints([t for x in ids for t in x])
+    row = torch.repeat_interleave(_ints(rows), lens)
+    cells, counts = torch.unique(row * vocab + flat, return_counts=True)
+    return cells.to(logits.device), counts.to(logits.device)

@@ -45,16 +45,16 @@ class Sampled:
 
 
 def sample_step(logits: torch.Tensor, seqs: list[Sequence], stop_ids: set[int], masks=None) -> Sampled:
-    """The next token of each row and its logprobs. ``masks(logits, seqs)`` (the grammar
+    """The next token of each row and its logprobs (``logits`` may be changed in place). ``masks(logits, seqs)`` (the grammar
     bitmasks, worker/structured.py) applies in place after penalties. Plain batches pay
     nothing for what they do not use: every stage runs only on the rows that ask for it."""
     lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     lsm = logprobs.log_softmax(logits[lp_rows]) if lp_rows else None
     x = logits
     if penalties.needed(seqs) or masks is not None:
-        # A copy, in at least float32: logprobs above read the raw logits, and half-precision
-        # penalties would round away small differences.
-        x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits.clone()
+        # In place (the logprobs above are taken already; nobody reads the logits after this),
+        # in at least float32: half-precision penalties would round away small differences.
+        x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         if penalties.needed(seqs):
             penalties.apply(x, seqs, stop_ids)
         if masks is not None:

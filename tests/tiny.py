@@ -128,6 +128,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "helium": dict(),
     "gpt_oss": dict(**_SLIDING, **_MOE, num_key_value_heads=2),
     "granite_swa": dict(**_SLIDING),
+    "granitemoe_swa": dict(**_SLIDING, **_MOE),
     "exaone": dict(),  # loads as LlamaForCausalLM
     "internlm3": dict(),  # loads as LlamaForCausalLM
 }

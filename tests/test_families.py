@@ -337,6 +337,7 @@ def test_eager_models_keep_their_eager_attention():
     engine = make_engine(model, page_size=4, num_pages=64)
     assert engine.generate(prompts, greedy(10)) == expected
     assert [reference(model, p, 10) for p in prompts] == expected
+    assert [reference(copy.deepcopy(model), p, 10) for p in prompts] == expected  # a copy keeps it too
 
 
 # ---------------------------------------------------------------------------- from a local directory
@@ -375,3 +376,14 @@ def test_gemma3_270m_greedy_parity():
     for i, p in enumerate(prompts):
         assert run.tokens(f"p{i}") == reference(ref, p, 12), (i, tok.decode(run.tokens(f"p{i}")))
     assert "France" in run.text("p0") or "Paris" in run.text("p0")
+
+
+def test_the_worker_refuses_with_the_reason(tmp_path, capsys):
+    """``tokenq-worker --model DIR`` on a model the probe refuses: exit status 2 and the reason."""
+    from worker.main import main
+
+    path = save_family(tmp_path / "qwen2moe-sliding", "qwen2_moe", use_sliding_window=True, sliding_window=12,
+                       max_window_layers=2)
+    assert main(["--model", path, "--device", "cpu", "--num-pages", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot serve model" in err and "start-up probe" in err and "layer 0" in err and "sliding_window" in err

@@ -5,50 +5,36 @@ attention only inside an engine step (the ``tokenq`` keyword argument carries th
 layout); anywhere else (the user's ``model.generate(...)``, a plain forward) it hands the
 call to the implementation the model had before, and the registered mask function builds
 that implementation's masks. The same model object serves both.
+
+Which implementation that was is kept on the model (so a deep copy keeps it too); a hook
+around the model's forward makes it, and whether this forward is an engine step, known to
+the attention and mask functions, which see only a layer or the config.
 """
 
 from __future__ import annotations
 
 import contextvars
 import sys
-import weakref
 
 import torch
 
 NAME = "tokenq_paged"
+# When no hooked model's forward is running (a submodule called on its own): the modeling
+# file's own eager attention, exact for every family (soft-capping, sinks and all).
+UNKNOWN = "eager"
 
-# config id -> (weak reference to the config, the implementation it had before tokenq's)
-_previous: dict[int, tuple[weakref.ref, str]] = {}
-# True while a model runs an engine step: its masks are then the engine's (none built)
-_in_step = contextvars.ContextVar("tokenq_in_step", default=False)
-
-
-def _configs(model: torch.nn.Module):
-    """The model's config and every config its submodules carry (sub-configs included)."""
-    seen = {}
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation"):
-            seen[id(cfg)] = cfg
-    return list(seen.values())
-
-
-def previous(config, default: str | None = "sdpa") -> str | None:
-    entry = _previous.get(id(config))
-    if entry is not None and entry[0]() is config:
-        return entry[1]
-    return default
+# (inside an engine step, the implementation outside) for the forward now running
+_context: contextvars.ContextVar[tuple[bool, str] | None] = contextvars.ContextVar("tokenq_context", default=None)
 
 
 def adopt(model: torch.nn.Module) -> None:
-    """Switch ``model`` to tokenq's attention, remembering what each of its configs used."""
-    for cfg in _configs(model):
-        impl = cfg._attn_implementation
-        if impl != NAME:
-            _previous[id(cfg)] = (weakref.ref(cfg), impl or "sdpa")
-        elif previous(cfg, None) is None:  # loaded straight into tokenq's: transformers' default stands in
-            _previous[id(cfg)] = (weakref.ref(cfg), "sdpa" if getattr(model, "_supports_sdpa", True) else "eager")
-    if model.config._attn_implementation != NAME:
+    """Switch ``model`` to tokenq's attention, remembering the implementation it had."""
+    impl = model.config._attn_implementation
+    if impl != NAME:
+        model._tokenq_previous = impl or "sdpa"
+    elif not hasattr(model, "_tokenq_previous"):  # loaded straight into tokenq's: transformers' default stands in
+        model._tokenq_previous = "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
+    if impl != NAME:
         model.set_attn_implementation(NAME)
     if not getattr(model, "_tokenq_hooked", False):
         model.register_forward_pre_hook(_enter, with_kwargs=True)
@@ -57,41 +43,44 @@ def adopt(model: torch.nn.Module) -> None:
 
 
 def _enter(module, args, kwargs):
-    if kwargs.get("tokenq") is not None:
-        module._tokenq_token = _in_step.set(True)
+    ctx = (kwargs.get("tokenq") is not None, getattr(module, "_tokenq_previous", UNKNOWN))
+    module.__dict__.setdefault("_tokenq_tokens", []).append(_context.set(ctx))
 
 
 def _leave(module, args, kwargs, output):
-    token = module.__dict__.pop("_tokenq_token", None)
-    if token is not None:
-        _in_step.reset(token)
+    tokens = module.__dict__.get("_tokenq_tokens")
+    if tokens:
+        _context.reset(tokens.pop())
+
+
+def _previous() -> str:
+    ctx = _context.get()
+    return UNKNOWN if ctx is None else ctx[1]
 
 
 def attention(module: torch.nn.Module):
     """The attention function ``module`` used before tokenq's."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    cfg = getattr(module, "config", None)
-    impl = previous(cfg) if cfg is not None else "sdpa"
-    if impl != "eager" and impl in ALL_ATTENTION_FUNCTIONS and impl != NAME:
+    impl = _previous()
+    if impl not in ("eager", NAME) and impl in ALL_ATTENTION_FUNCTIONS:
         return ALL_ATTENTION_FUNCTIONS[impl]
-    # eager: the modeling file's own function (softcap, sinks and the like are in there)
     own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if own is None:
+    if own is None:  # a modeling file without one: transformers' SDPA
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward
     return own
 
 
-def mask(*args, config=None, **kwargs):
+def mask(*args, **kwargs):
     """The mask the previous implementation would get; none inside an engine step."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    if _in_step.get():
+    ctx = _context.get()
+    if ctx is not None and ctx[0]:
         return None
-    impl = previous(config) if config is not None else "sdpa"
-    fn = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(impl) if impl != NAME else None
-    if fn is None:  # an implementation without a mask function of its own needs no mask
+    fn = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(_previous())
+    if fn is None or fn is mask:  # an implementation without a mask function of its own needs none
         return None
-    return fn(*args, config=config, **kwargs)
+    return fn(*args, **kwargs)

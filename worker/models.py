@@ -26,7 +26,7 @@ TESTED_FAMILIES = (
 _BYPASS = "its attention does not go through transformers' attention interface (it would attend across the packed row)"
 _RECURRENT = "it has recurrent/linear-attention layers that would scan the packed row as one sequence"
 REFUSED_FAMILIES = {
-    "falcon": _BYPASS, "bloom": _BYPASS, "mpt": _BYPASS, "gpt_neo": _BYPASS, "codegen": _BYPASS,
+    "falcon": _BYPASS, "bloom": _BYPASS, "mpt": _BYPASS, "gpt_neo": _BYPASS,
     "deepseek_v2": "multi-head latent attention: K and V head sizes differ",
     "deepseek_v3": "multi-head latent attention: K and V head sizes differ",
     "gemma4": "head sizes vary per layer",

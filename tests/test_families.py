@@ -15,7 +15,16 @@ import random
 import pytest
 import torch
 from engine_helpers import drive, greedy, make_engine, random_prompts, reference
-from tiny import FAMILY_CONFIGS, family_config, family_model, save_family, tiny_model, tiny_tokenizer
+from tiny import (
+    FAMILY_CONFIGS,
+    OTHER_FAMILIES,
+    family_config,
+    family_model,
+    other_family_model,
+    save_family,
+    tiny_model,
+    tiny_tokenizer,
+)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from worker import probe
@@ -72,6 +81,20 @@ def test_family_parity_chunked_and_packed(model_type):
     steps = [s.scheduled for s in run.steps]
     assert any(start > 0 and n > 1 for s in steps for _, start, n, _ in s)  # chunked prefill
     assert any(any(n == 1 for *_, n, _ in s) and any(n > 1 for *_, n, _ in s) for s in steps)  # mixed steps
+
+
+# a few of OTHER_FAMILIES in the default run: kwargs dropped on the way down, float32 routers, learned positions
+OTHERS_FAST = ("stablelm", "ernie4_5_moe", "biogpt@mha", "olmoe")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in OTHERS_FAST else pytest.mark.slow) for n in OTHER_FAMILIES])
+def test_other_families_parity(name):
+    """Families beyond the list above that the probe lets through: served exactly too."""
+    model = other_family_model(name)
+    ref = copy.deepcopy(model)
+    prompts = _prompts(len(name))
+    engine = make_engine(model, page_size=4, num_pages=64, max_num_seqs=3, max_num_batched_tokens=16)
+    assert engine.generate(prompts, greedy(10)) == [reference(ref, p, 10) for p in prompts]
 
 
 def _pressure(seed: int):

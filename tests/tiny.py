@@ -161,3 +161,31 @@ def save_family(path, model_type: str, dtype=torch.float32, seed: int = 0, **ove
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return str(path)
+
+
+# Further model types that call the attention interface like Llama, on _LLAMA_LIKE as it is
+# ("@mha": the family has no grouped K/V, so no num_key_value_heads either). stablelm's and
+# nemotron's decoder layers drop the keyword arguments; ernie4_5_moe, exaone_moe, glm4_moe,
+# solar_open, laguna, kolibri1, hy_v3 route their experts in float32 even in a float64 model.
+OTHER_FAMILIES = (
+    "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "beam", "bitnet", "cohere2_moe", "cwm", "doge",
+    "ernie4_5", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "fuyu", "glm4_moe", "granitemoeshared",
+    "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "iquestcoder", "jais2", "kolibri1", "laguna", "mellum",
+    "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "nanochat", "nemotron", "olmoe", "phimoe",
+    "seed_oss", "solar_open", "stablelm", "vaultgemma", "biogpt@mha", "ctrl@mha", "persimmon@mha",
+    "modernbert-decoder@mha",
+)
+
+
+def other_family_model(name: str, dtype=torch.float64, seed: int = 0):
+    model_type, _, variant = name.partition("@")
+    kw = dict(_LLAMA_LIKE, num_key_value_heads=_LLAMA_LIKE["num_attention_heads"]) if variant == "mha" else _LLAMA_LIKE
+    from transformers import AutoConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), dtype=dtype, experts_implementation="eager")
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    return model.eval()

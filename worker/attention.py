@@ -82,7 +82,7 @@ def _prefill_mask(q_len: int, cached: int, window: int | None, device) -> torch.
 def paged_attention(module, query, key, value, attention_mask, **kwargs):
     """The registered function. Inside an engine step (``tokenq`` given) it is paged attention;
     anywhere else the model's previous implementation, so the model stays usable on its own."""
-    meta: StepMeta | None = kwargs.pop("tokenq", None)
+    meta: StepMeta | None = kwargs.pop("tokenq", None) or fallback.step_meta()
     if meta is None:
         return fallback.attention(module)(module, query, key, value, attention_mask, **kwargs)
     calls = _recording.get()

@@ -23,8 +23,8 @@ NAME = "tokenq_paged"
 # file's own eager attention, exact for every family (soft-capping, sinks and all).
 UNKNOWN = "eager"
 
-# (inside an engine step, the implementation outside) for the forward now running
-_context: contextvars.ContextVar[tuple[bool, str] | None] = contextvars.ContextVar("tokenq_context", default=None)
+# (the engine step's StepMeta or None, the implementation outside steps) for the forward now running
+_context: contextvars.ContextVar[tuple[object, str] | None] = contextvars.ContextVar("tokenq_context", default=None)
 
 
 def adopt(model: torch.nn.Module) -> None:
@@ -43,7 +43,7 @@ def adopt(model: torch.nn.Module) -> None:
 
 
 def _enter(module, args, kwargs):
-    ctx = (kwargs.get("tokenq") is not None, getattr(module, "_tokenq_previous", UNKNOWN))
+    ctx = (kwargs.get("tokenq"), getattr(module, "_tokenq_previous", UNKNOWN))
     module.__dict__.setdefault("_tokenq_tokens", []).append(_context.set(ctx))
 
 
@@ -56,6 +56,13 @@ def _leave(module, args, kwargs, output):
 def _previous() -> str:
     ctx = _context.get()
     return UNKNOWN if ctx is None else ctx[1]
+
+
+def step_meta():
+    """The StepMeta of the engine step now running, for layers whose callers drop the keyword
+    arguments on the way down (stablelm's and nemotron's decoder layers); None outside steps."""
+    ctx = _context.get()
+    return None if ctx is None else ctx[0]
 
 
 def attention(module: torch.nn.Module):
@@ -78,7 +85,7 @@ def mask(*args, **kwargs):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     ctx = _context.get()
-    if ctx is not None and ctx[0]:
+    if ctx is not None and ctx[0] is not None:
         return None
     fn = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(_previous())
     if fn is None or fn is mask:  # an implementation without a mask function of its own needs none

@@ -32,7 +32,7 @@ PASSED_ALONG = ("position_ids", "cache_position", "use_cache", "past_key_values"
                 "output_attentions", "output_hidden_states", "output_router_logits", "is_causal")
 PROMPTS = ([11, 12, 13, 14, 15], [21, 22, 23])
 # Packing may move rounding only: max |logit difference| <= tolerance * max(1, max |logit|).
-TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}  # float64 models may route MoE in float32
 HALF_TOLERANCE = 5e-2
 
 log = logging.getLogger("tokenq.probe")

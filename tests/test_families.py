@@ -410,3 +410,19 @@ def test_the_worker_refuses_with_the_reason(tmp_path, capsys):
     assert main(["--model", path, "--device", "cpu", "--num-pages", "16"]) == 2
     err = capsys.readouterr().err
     assert "cannot serve model" in err and "start-up probe" in err and "layer 0" in err and "sliding_window" in err
+
+
+def test_engine_steps_and_generate_in_two_threads():
+    """The service steps the engine in one thread; the user may call generate on the same model
+    in another: each sees its own attention (the step's state is per thread)."""
+    import threading
+
+    model, ref = pair("qwen3_moe")
+    prompts = _prompts(13, (9, 26))
+    engine = make_engine(model, page_size=4, num_pages=64)
+    outs = {}
+    t = threading.Thread(target=lambda: outs.__setitem__("engine", engine.generate(prompts, greedy(14))))
+    t.start()
+    outs["generate"] = [reference(model, p, 14) for p in prompts]
+    t.join()
+    assert outs["engine"] == outs["generate"] == [ref_tokens("qwen3_moe", tuple(p), 14) for p in prompts]

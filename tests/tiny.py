@@ -41,10 +41,13 @@ def tiny_config(family: str = "llama", **overrides):
 
 def tiny_model(family: str = "llama", dtype=torch.float64, seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=dtype)
+    return _ready(AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=dtype))
+
+
+def _ready(model):
     # Random init gives near-uniform logits; sharpen them so greedy argmax has clear winners.
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        model.get_output_embeddings().weight.mul_(8.0)
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0
     return model.eval()
@@ -147,12 +150,8 @@ def family_config(model_type: str, **overrides):
 def family_model(model_type: str, dtype=torch.float64, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     # MoE experts: the eager loop (transformers' grouped_mm kernel takes no float64)
-    model = AutoModelForCausalLM.from_config(family_config(model_type, **overrides), dtype=dtype, experts_implementation="eager")
-    with torch.no_grad():  # sharper logits: clear greedy winners (see tiny_model)
-        model.get_output_embeddings().weight.mul_(8.0)
-    model.generation_config.eos_token_id = 2
-    model.generation_config.pad_token_id = 0
-    return model.eval()
+    return _ready(AutoModelForCausalLM.from_config(family_config(model_type, **overrides), dtype=dtype,
+                                                   experts_implementation="eager"))
 
 
 def save_family(path, model_type: str, dtype=torch.float32, seed: int = 0, **overrides) -> str:
@@ -183,9 +182,5 @@ def other_family_model(name: str, dtype=torch.float64, seed: int = 0):
     from transformers import AutoConfig
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), dtype=dtype, experts_implementation="eager")
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    model.generation_config.eos_token_id = 2
-    model.generation_config.pad_token_id = 0
-    return model.eval()
+    return _ready(AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), dtype=dtype,
+                                                   experts_implementation="eager"))

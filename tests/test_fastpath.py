@@ -113,7 +113,8 @@ def test_callers_model_is_left_alone_and_weights_shared(fp32_models):
     assert all(type(m) is not fastpath.FastLinear for m in model.modules())
     assert sum(isinstance(m, torch.nn.Linear) for m in model.modules()) == 2 * 7 + 1
     kinds = {type(m) for m in fast.modules()}
-    assert fastpath.MergedPart in kinds and fastpath.FastLinear in kinds and torch.nn.Linear not in kinds
+    assert {fastpath.MergedPart, fastpath.FastLinear, fastpath.FastRMSNorm} <= kinds and torch.nn.Linear not in kinds
+    assert not any(type(m).__name__ == "LlamaRMSNorm" for m in fast.modules())
     assert fast.model.embed_tokens.weight is model.model.embed_tokens.weight
     assert fast.model.norm.weight is model.model.norm.weight
 

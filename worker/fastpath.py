@@ -36,6 +36,8 @@ PACK_BATCH_HINT = 64
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (projections sharing one input) that are merged into one GEMM, by attribute name
 MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# RMSNorm classes whose forward is exactly weight * (x / rms(x)) in float32 (Gemma's 1 + weight is not)
+PLAIN_RMSNORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
 _onednn_ok: dict[torch.dtype, bool] = {}
 
@@ -73,6 +75,21 @@ class FastLinear(nn.Module):
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
         return F.linear(x, self.w, self.b)
+
+
+class FastRMSNorm(nn.Module):
+    """transformers' Llama-style RMSNorm as one fused kernel (``F.rms_norm``): normalised in
+    float32, cast back, times the weight, as the module it replaces computes it."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.variance_epsilon
+        self.shape = (norm.weight.shape[-1],)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
 
 
 class MergedLinear:
@@ -159,15 +176,18 @@ def build(model: nn.Module, device: torch.device) -> tuple[nn.Module, str]:
     merged = 0
     for m in list(fast.modules()):
         merged += _merge(m, packed)
-    single = 0
+    single = norms = 0
     for m in list(fast.modules()):
         for name, child in list(m.named_children()):
             if type(child) is nn.Linear:
                 setattr(m, name, FastLinear(child.weight, child.bias, packed))
                 single += 1
+            elif type(child).__name__ in PLAIN_RMSNORMS and hasattr(child, "variance_epsilon"):
+                setattr(m, name, FastRMSNorm(child))
+                norms += 1
     kind = "oneDNN-prepacked" if packed else "plain"
     note = "" if packed or device.type != "cpu" else f" (oneDNN does not pack {dtype} on this CPU)"
-    return fast, f"fast: {merged} merged projection groups + {single} linears, {kind} weights{note}"
+    return fast, f"fast: {merged} merged projection groups + {single} linears, {kind} weights{note}; {norms} fused RMSNorms"
 
 
 def forward_model(model: nn.Module, device: torch.device, enabled: bool = True) -> nn.Module:

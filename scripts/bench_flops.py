@@ -20,32 +20,40 @@ import torch.nn.functional as F
 PEAK_SHAPE = (1024, 2048, 2048)  # M, K, N
 
 
-def gemm_peak(dtype: torch.dtype, seconds: float = 1.5) -> tuple[float, str]:
-    """(GFLOP/s, how) of the best one GEMM reaches here: oneDNN-prepacked where it packs
-    ``dtype``, else ``F.linear``; the best of several timed rounds (the machine is shared)."""
-    from worker.fastpath import onednn_packs
+def gemm_peak(dtype: torch.dtype, device: str = "cpu", seconds: float = 1.5) -> tuple[float, str]:
+    """(GFLOP/s, how) of the best one GEMM reaches here: on CPU oneDNN-prepacked in the
+    dtype the fast path packs ``dtype`` weights in, else ``F.linear``; the best of several
+    timed rounds (the machine is shared)."""
+    from worker.fastpath import pack_dtype
 
     M, K, N = PEAK_SHAPE
-    x = torch.randn(M, K).to(dtype)
-    w = torch.randn(N, K).to(dtype)
-    if onednn_packs(dtype):
-        wp = torch.ops.mkldnn._reorder_linear_weight(w, M)
+    dev = torch.device(device)
+    x = torch.randn(M, K, device=dev).to(dtype)
+    w = torch.randn(N, K, device=dev).to(dtype)
+    pack = pack_dtype(dtype, dev)
+    if pack is not None:
+        wp = torch.ops.mkldnn._reorder_linear_weight(w.to(pack), M)
+        xp = x.to(pack)
 
         def fn():
-            return torch.ops.mkldnn._linear_pointwise(x, wp, None, "none", [], "")
-        how = "oneDNN prepacked"
+            return torch.ops.mkldnn._linear_pointwise(xp, wp, None, "none", [], "")
+        how = "oneDNN prepacked" + (f" as {pack}" if pack != dtype else "")
     else:
         def fn():
             return F.linear(x, w)
-        how = "F.linear (oneDNN does not pack it here)"
+        how = "F.linear"
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    threads = f"{torch.get_num_threads()} threads" if dev.type == "cpu" else str(dev)
     with torch.inference_mode():
         fn()
+        sync()
         best, end = float("inf"), time.perf_counter() + seconds
         while time.perf_counter() < end:
             t = time.perf_counter()
             fn()
+            sync()
             best = min(best, time.perf_counter() - t)
-    return 2 * M * K * N / best / 1e9, f"{how}, {M}x{K} by {K}x{N}, {torch.get_num_threads()} threads"
+    return 2 * M * K * N / best / 1e9, f"{how}, {M}x{K} by {K}x{N}, {threads}"
 
 
 def linear_weights(model) -> tuple[int, int]:

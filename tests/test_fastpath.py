@@ -197,3 +197,13 @@ def test_smollm2_bfloat16_greedy_matches_generate_but_near_ties(smollm2_dir):
             top = ref(torch.tensor([p + want[:i]])).logits[0, -1].float().topk(2).values
         assert float(top[0] - top[1]) <= BF16_NEAR_TIE * abs(float(top[0])), (i, tok.decode(got), tok.decode(want), top)
     assert exact >= len(prompts) - 1, exact
+
+
+def test_worker_setting_turns_the_fast_path_off():
+    from common.settings import Settings
+    from worker.main import engine_config
+
+    assert engine_config(Settings(), "cpu").fast_path is True
+    assert engine_config(Settings.from_env({"TOKENQ_FAST_PATH": "off"}), "cpu").fast_path is False
+    with pytest.raises(ValueError):
+        Settings.from_env({"TOKENQ_FAST_PATH": "maybe"})

@@ -207,3 +207,15 @@ def test_worker_setting_turns_the_fast_path_off():
     assert engine_config(Settings.from_env({"TOKENQ_FAST_PATH": "off"}), "cpu").fast_path is False
     with pytest.raises(ValueError):
         Settings.from_env({"TOKENQ_FAST_PATH": "maybe"})
+
+
+def test_a_model_it_cannot_copy_runs_eager(caplog):
+    import threading
+
+    model = tiny_model("llama", dtype=torch.float32)
+    model.model.lock = threading.Lock()  # a module holding something deepcopy refuses
+    with caplog.at_level(logging.INFO, logger="tokenq.fastpath"):
+        engine = make_engine(model, num_pages=64)
+    assert engine.runner.model is model
+    assert any("fast path failed to build" in r.getMessage() for r in caplog.records)
+    assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]

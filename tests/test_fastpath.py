@@ -219,3 +219,17 @@ def test_a_model_it_cannot_copy_runs_eager(caplog):
     assert engine.runner.model is model
     assert any("fast path failed to build" in r.getMessage() for r in caplog.records)
     assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+
+
+def test_small_weights_at_few_rows_take_plain_f_linear():
+    if not fastpath.onednn_packs(torch.float32):
+        pytest.skip("oneDNN does not pack float32 here")
+    torch.manual_seed(1)
+    small, big = torch.nn.Linear(64, 96), torch.nn.Linear(64, fastpath.PLAIN_MAX_WEIGHT // 64 + 1, bias=False)
+    fs, fb = (fastpath.FastLinear(m.weight, m.bias, torch.float32) for m in (small, big))
+    assert fs.plain is not None and fb.plain is None
+    few, many = torch.randn(1, fastpath.PLAIN_MAX_ROWS, 64), torch.randn(1, 4 * fastpath.PLAIN_MAX_ROWS, 64)
+    with torch.inference_mode():
+        assert torch.equal(fs(few), F.linear(few, small.weight, small.bias))  # the very same kernel
+        for f, m, x in ((fs, small, many), (fb, big, few), (fb, big, many)):
+            torch.testing.assert_close(f(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)

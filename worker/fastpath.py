@@ -35,6 +35,11 @@ log = logging.getLogger("tokenq.fastpath")
 # oneDNN's hint for the row count the packed weight will mostly see; measured: it hardly
 # matters (within noise from 1 to 2048 rows).
 PACK_BATCH_HINT = 64
+# A oneDNN call costs about 25 us more than F.linear's (measured, 1 thread): for a small
+# weight at a few rows that outweighs the packing it saves, so such calls take F.linear on
+# the plain weight (kept only for weights this small: no memory to speak of).
+PLAIN_MAX_ROWS = 16
+PLAIN_MAX_WEIGHT = 512 * 1024  # elements
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (projections sharing one input) that are merged into one GEMM, by attribute name
 MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -71,15 +76,22 @@ class FastLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.pack = pack
         # plain attributes, not parameters: the packed tensor is opaque to state_dict and .to()
+        bias = None if bias is None else bias.detach()
+        self.plain = None  # (weight, bias) for F.linear at a few rows (see PLAIN_MAX_ROWS)
         if pack is None:
-            self.w, self.b = weight, None if bias is None else bias.detach()
+            self.w, self.b = weight, bias
         else:
             self.w = torch.ops.mkldnn._reorder_linear_weight(weight.to(pack), PACK_BATCH_HINT)
-            self.b = None if bias is None else bias.detach().to(pack)
+            self.b = None if bias is None else bias.to(pack)
+            if pack == weight.dtype and weight.numel() <= PLAIN_MAX_WEIGHT:
+                self.plain = (weight, bias)
+        self.plain_max = PLAIN_MAX_ROWS * self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pack is None:
             return F.linear(x, self.w, self.b)
+        if self.plain is not None and x.numel() <= self.plain_max:
+            return F.linear(x, *self.plain)
         if x.dtype != self.pack:
             return torch.ops.mkldnn._linear_pointwise(x.to(self.pack), self.w, self.b, "none", [], "").to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")

@@ -233,3 +233,14 @@ def test_small_weights_at_few_rows_take_plain_f_linear():
         assert torch.equal(fs(few), F.linear(few, small.weight, small.bias))  # the very same kernel
         for f, m, x in ((fs, small, many), (fb, big, few), (fb, big, many)):
             torch.testing.assert_close(f(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_other_families_run_eager(caplog):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gemma2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with caplog.at_level(logging.INFO, logger="tokenq.fastpath"):
+        assert make_engine(model, num_pages=64).runner.model is model
+    assert any("not 'gemma2'" in r.getMessage() for r in caplog.records)

@@ -40,6 +40,9 @@ PACK_BATCH_HINT = 64
 # the plain weight (kept only for weights this small: no memory to speak of).
 PLAIN_MAX_ROWS = 16
 PLAIN_MAX_WEIGHT = 512 * 1024  # elements
+# The families whose fast path tests/test_fastpath.py checks against the eager path; any
+# other model runs eager (its projections may be shared, called twice, or not Llama-shaped).
+FAST_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (projections sharing one input) that are merged into one GEMM, by attribute name
 MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -172,6 +175,9 @@ def pack_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
 
 def why_not(model: nn.Module, device: torch.device) -> str | None:
     """Why the fast path does not apply to ``model`` on ``device`` (None: it does)."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind not in FAST_FAMILIES:
+        return f"the fast path covers the {', '.join(FAST_FAMILIES)} families (tested against eager), not {kind!r}"
     dtype = next(model.parameters()).dtype
     if dtype not in FAST_DTYPES:
         return f"{dtype} runs the exact eager path (the fast path covers {', '.join(str(d) for d in FAST_DTYPES)})"

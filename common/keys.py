@@ -39,6 +39,9 @@ class Keys:
     def result(self, request_id: str) -> str:
         return f"{self.prefix}:result:{request_id}"
 
+    def fence(self, request_id: str) -> str:
+        return fence_key(self.result(request_id))
+
     @property
     def result_prefix(self) -> str:
         return f"{self.prefix}:result:"
@@ -75,6 +78,21 @@ class Keys:
         if stream.startswith(head) and stream[len(head):] in PRIORITIES:
             return stream[len(head):]
         return None
+
+
+def hash_tag(key: str) -> str | None:
+    """The part of ``key`` Redis Cluster hashes when it is not the whole key: the text between
+    the first ``{`` and the first ``}`` after it, if not empty (None otherwise)."""
+    start = key.find("{")
+    end = key.find("}", start + 1) if start >= 0 else -1
+    return key[start + 1:end] if end > start + 1 else None
+
+
+def fence_key(result_key: str) -> str:
+    """The fence of a result stream, in the stream's own cluster slot without renaming it: the
+    whole result key as the hash tag (ids hold no braces), or the key's own tag if it has one.
+    """
+    return f"{result_key}:fence" if hash_tag(result_key) is not None else f"{{{result_key}}}:fence"
 
 
 def _glob_escape(text: str) -> str:

@@ -114,6 +114,81 @@ def test_a_worker_killed_mid_generation_is_resumed_by_another(cluster, cprefix, 
     wait_until(lambda: pending_total(rc, cprefix) == 0, 10, "pending lists to empty")
 
 
+def _service_reference(prompt: list[int], n: int) -> list[int]:
+    """Greedy generate of the in-process services' model (tests/tiny.py, float64)."""
+    import torch
+    from engine_helpers import reference
+    from tiny import tiny_model
+
+    return reference(tiny_model("llama", dtype=torch.float64), prompt, n)
+
+
+def _request(rc, keys: Keys, rid: str, max_tokens: int) -> str:
+    return rc.xadd(keys.requests("normal"), {"id": rid, "input_ids": "[5, 6, 7]", "max_tokens": str(max_tokens),
+                                             "temperature": "0", "ignore_eos": "1"}).decode()
+
+
+def test_a_frozen_worker_is_fenced_off_after_its_entry_was_claimed(cluster, cprefix, caplog):
+    """Worker a stops (frozen past claim_idle_s) with writes still to send; b claims the entry.
+    When a wakes, the fence (in the result stream's slot) refuses its token and final entries:
+    b's run is the only one the client sees, exactly one final entry, no seq twice."""
+    from service_helpers import final_entry, make_service, run_until
+
+    from common.protocol import done_entry, token_entry
+    from worker.service import recovery
+    from worker.service.outbox import Finalize, PublishTokens
+
+    rc, keys = connect(cluster.url), Keys(cprefix)
+    a = make_service(cluster.url, cprefix, name="a")
+    entry_id = _request(rc, keys, "frozen", max_tokens=20)
+    key = keys.result("frozen")
+    run_until(a, lambda: rc.xlen(key) >= 2 if rc.exists(key) else False)
+    b = make_service(cluster.url, cprefix, name="b")
+    time.sleep(b.s.claim_idle_s + 0.2)
+    recovery.claim(b)
+    assert "frozen" in b.inflight and rc.hget(keys.fence("frozen"), "owner") == b"b"
+    before = rc.xlen(key)
+    nxt = int(rc.hget(keys.fence("frozen"), "next"))
+    a.outbox.add(PublishTokens([(key, token_entry(nxt, [1], "x"))]))  # what a still had to send
+    a.outbox.add(Finalize(keys.requests("normal"), entry_id, key, done_entry("frozen", "length", prompt_tokens=3,
+                                                                            completion_tokens=20, queue_s=0,
+                                                                            ttft_s=0, total_s=0)))
+    a._flush()
+    assert not a.outbox and rc.xlen(key) == before and final_entry(rc, key) is None
+    assert "event=final_skipped" in caplog.text
+    run_until(b, lambda: final_entry(rc, key) is not None and not b.outbox)
+    tally = Tally()
+    check_stream(rc, key, tally, _service_reference([5, 6, 7], 20))
+    assert tally.ok and tally.done == 1 and tally.raw_resends == 0, tally
+    assert rc.xpending(keys.requests("normal"), keys.group)["pending"] == 0
+
+
+def test_a_crash_between_final_entry_and_ack_is_acknowledged_without_a_rerun(cluster, cprefix):
+    """The final entry is written (result stream's slot), the worker dies before the XACK +
+    XDEL (request stream's slot): the claimer finds the final entry and only acknowledges."""
+    from service_helpers import final_entry, make_service, run_until
+
+    from common.keys import fence_key
+    from common.protocol import done_entry
+    from worker.service import recovery
+
+    rc, keys = connect(cluster.url), Keys(cprefix)
+    a = make_service(cluster.url, cprefix, name="a")
+    _request(rc, keys, "half", max_tokens=50)
+    key = keys.result("half")
+    run_until(a, lambda: "half" in a.inflight)
+    entry = done_entry("half", "length", prompt_tokens=3, completion_tokens=0, queue_s=0, ttft_s=0, total_s=0)
+    assert a.scripts.fenced_final(rc, reply_to=key, fence=fence_key(key), owner="a", maxlen=100, ttl_s=60,
+                                  entry=entry) == 1  # step one; a dies before step two
+    b = make_service(cluster.url, cprefix, name="b")
+    time.sleep(b.s.claim_idle_s + 0.2)
+    recovery.claim(b)
+    run_until(b, lambda: not b.outbox)
+    assert "half" not in b.inflight and final_entry(rc, key)["completion_tokens"] == "0"
+    assert sum(1 for _, f in rc.xrange(key) if f[b"type"] in (b"done", b"error")) == 1
+    assert rc.xpending(keys.requests("normal"), keys.group)["pending"] == 0 and rc.xlen(keys.requests("normal")) == 0
+
+
 def failover_run(worker_factory, reference, n: int, workers: int) -> tuple[Tally, str]:
     """``n`` requests; once tokens flow, SIGKILL the master serving the first one's result
     stream; count what the failover lost."""

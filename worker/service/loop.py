@@ -55,7 +55,8 @@ class Service:
         self.model_name, self.device = model_name, device
         self.r = connect(settings.redis_url, socket_timeout=max(5.0, settings.heartbeat_s * 2))
         self.scripts = Scripts(self.r)
-        self.wire = Wire(self.scripts, self.keys, self.name, settings.result_maxlen, settings.result_ttl_s)
+        self.wire = Wire(self.scripts, self.keys, self.name, settings.result_maxlen, settings.result_ttl_s,
+                         settings.replica_wait_ms)
         self.conn = Connection()
         self.inflight: dict[str, InFlight] = {}
         self.outbox = Outbox()

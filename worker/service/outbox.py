@@ -31,6 +31,7 @@ class Wire:
     consumer: str
     maxlen: int
     ttl_s: int
+    replica_wait_ms: int = 0  # on a cluster: WAIT for a replica between final entries and their acks
 
 
 @dataclass
@@ -193,10 +194,26 @@ class Outbox:
         except redis.ResponseError as e:
             log.warning("event=publish_failed ops=%d error=%r", len(ops), e)
             raise
-        at, after = 0, []
+        at, after, finals = 0, [], []
         for op, n in zip(ops, counts):
             op.report(results[at:at + n])
             if cluster and isinstance(op, Finalize) and (nxt := op.then(results[at:at + n])) is not None:
                 after.append(nxt)
+                finals.append(op.reply_to)
             at += n
+        if finals and w.replica_wait_ms > 0:
+            wait_replicas(r, finals, w.replica_wait_ms)
         return after
+
+
+def wait_replicas(r: Any, keys: list[str], timeout_ms: int) -> None:
+    """WAIT 1 on the node of each key, so a failover cannot lose a final entry whose request
+    entry is then acknowledged (the request would be gone unanswered).
+
+    WAIT covers the writes of the connection it runs on: the worker is one thread, and each
+    node's pool hands back its last connection (LIFO), the one the pipeline wrote on."""
+    nodes = {r.get_node_from_key(k).name: r.get_node_from_key(k) for k in keys}
+    for node in nodes.values():
+        got = r.execute_command("WAIT", 1, timeout_ms, target_nodes=node)
+        if not got:
+            log.warning("event=replica_wait_timeout node=%s timeout_ms=%d", node.name, timeout_ms)

@@ -77,7 +77,7 @@ def test_key_layout_each_script_in_one_slot():
     assert key_slot(tagged.result("a").encode()) == key_slot(tagged.fence("a").encode()) == key_slot(b"tenant")
 
 
-def test_raw_and_client_requests_served_on_a_cluster(cluster, cprefix, worker_factory, reference):
+def test_raw_and_client_requests_served_on_a_cluster(cluster, cprefix, worker_factory, reference, capsys):
     rc = connect(cluster.url)
     assert is_cluster(rc)
     specs = mixed_requests(10, seed=3, tag="raw", max_tokens=(2, 30))
@@ -90,9 +90,43 @@ def test_raw_and_client_requests_served_on_a_cluster(cluster, cprefix, worker_fa
         assert is_cluster(client.redis)
         res = client.generate(input_ids=[7, 8, 9, 10], max_tokens=12, temperature=0, ignore_eos=True, timeout=120)
     assert res.token_ids == reference([7, 8, 9, 10], 12) and res.finish_reason == "length"
+    _other_producers(cluster.url, cprefix, res.text, capsys)
     tally = check_all(rc, cprefix, specs, reference)
     assert tally.ok and tally.done == len(specs) and tally.raw_resends == 0, tally
     wait_until(lambda: pending_total(rc, cprefix) == 0, 10, "pending lists to empty")
+
+
+def _other_producers(url: str, prefix: str, text: str, capsys) -> None:
+    """AsyncClient, the CLI, the gateway (openai client) and the RQ job function, each given
+    the cluster's URL, get the same greedy answer as the Client."""
+    import asyncio
+
+    import openai
+    from producer_helpers import serve_gateway
+
+    from common.settings import Settings
+    from producer import AsyncClient
+    from producer.cli import main
+    from producer.jobs import generate
+
+    greedy = dict(input_ids=[7, 8, 9, 10], max_tokens=12, temperature=0, ignore_eos=True)
+
+    async def aio() -> str:
+        async with AsyncClient(url, prefix=prefix) as c:
+            assert is_cluster(c.redis)
+            return (await c.generate(timeout=120, **greedy)).text
+
+    assert asyncio.run(aio()) == text
+    assert generate(redis_url=url, prefix=prefix, wait_s=120, **greedy)["text"] == text
+    capsys.readouterr()
+    assert main(["submit", "--input-ids", "[7, 8, 9, 10]", "--max-tokens", "12", "--temperature", "0",
+                 "--ignore-eos", "--redis-url", url, "--prefix", prefix]) == 0
+    assert capsys.readouterr().out == text + "\n"
+    with serve_gateway(Settings.from_env(redis_url=url, prefix=prefix, model_name="tiny")) as base:
+        oai = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        out = oai.completions.create(model="tiny", prompt=[7, 8, 9, 10], max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert out.choices[0].text == text
 
 
 def test_a_worker_killed_mid_generation_is_resumed_by_another(cluster, cprefix, worker_factory, reference):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import dataclass
 
@@ -24,13 +25,22 @@ def priority_of(level: str | int) -> int:
 @dataclass(frozen=True)
 class Keys:
     prefix: str = DEFAULT_PREFIX
+    shards: int = 1  # request streams per level: shard 0 is requests:<level>, shard i requests:<level>:<i>
 
-    def requests(self, level: str) -> str:
-        return f"{self.prefix}:requests:{level}"
+    def requests(self, level: str, shard: int = 0) -> str:
+        return f"{self.prefix}:requests:{level}" if shard == 0 else f"{self.prefix}:requests:{level}:{shard}"
+
+    def level_streams(self, level: str) -> list[str]:
+        """Every shard of one level's request stream (on a cluster, each in its own slot)."""
+        return [self.requests(level, i) for i in range(self.shards)]
+
+    def submit_stream(self, level: str) -> str:
+        """The shard a producer sends one entry to: one at random (spreads ingest evenly)."""
+        return self.requests(level, random.randrange(self.shards) if self.shards > 1 else 0)
 
     @property
     def request_streams(self) -> list[str]:
-        return [self.requests(level) for level in LEVELS]
+        return [s for level in LEVELS for s in self.level_streams(level)]
 
     @property
     def group(self) -> str:
@@ -75,8 +85,11 @@ class Keys:
     def level_of_stream(self, stream: str) -> str | None:
         """The level a request stream key belongs to, or None for a key that is not one."""
         head = f"{self.prefix}:requests:"
-        if stream.startswith(head) and stream[len(head):] in PRIORITIES:
-            return stream[len(head):]
+        if not stream.startswith(head):
+            return None
+        level, _, shard = stream[len(head):].partition(":")
+        if level in PRIORITIES and (not shard or (shard.isdigit() and 0 < int(shard) < self.shards)):
+            return level
         return None
 
 

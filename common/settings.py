@@ -44,6 +44,7 @@ class Settings:
     max_attempts: int = _f(3, "deliveries before an entry goes to the dead-letter stream")
     result_ttl_s: int = _f(3600, "result streams expire this long after their last entry")
     result_maxlen: int = _f(100_000, "cap on entries per result stream")
+    request_shards: int = _f(1, "request streams per priority level (producers and workers must agree; more spread ingest over a cluster's masters)")
     replica_wait_ms: int = _f(0, "Redis Cluster: before a request entry is acknowledged, WAIT up to this long for a replica to hold its final entry (0: off)")
     heartbeat_s: float = _f(2.0, "heartbeat and refresh interval")
     grace_s: float = _f(30.0, "on SIGTERM, let running requests finish for this long")

@@ -86,10 +86,23 @@ def _pull_levels(svc: Service) -> int:
             plan = _aging_plan(svc, n)
             for stream, count in plan.items():
                 taken += _read(svc, stream, count)
-            if plan.get(svc.keys.requests("low")):
+            if any(plan.get(s) for s in svc.keys.level_streams("low")):
                 return taken  # the low stream had its turn in this pass
             continue
-        taken += _read(svc, svc.keys.requests(level), n)
+        taken += _read_level(svc, level, n)
+    return taken
+
+
+def _read_level(svc: Service, level: str, n: int) -> int:
+    """Up to ``n`` entries of one level, over its shards in turn: each pass starts one shard
+    further on, so no shard waits behind another."""
+    streams = svc.keys.level_streams(level)
+    start = svc.shard_turn = (svc.shard_turn + 1) % len(streams)
+    taken = 0
+    for stream in streams[start:] + streams[:start]:
+        if taken >= n:
+            break
+        taken += _read(svc, stream, n - taken)
     return taken
 
 
@@ -104,12 +117,13 @@ def _read(svc: Service, stream: str, count: int) -> int:
 def _aging_plan(svc: Service, n: int) -> dict[str, int]:
     """How many of the next ``n`` pulls go to ``normal`` and to ``low``, by virtual arrival
     time (entry time + aging_s per level below normal), oldest first."""
-    streams = [svc.keys.requests(level) for level in LEVELS[NORMAL:]]
-    unread = svc.scripts.unread(svc.r, streams, group=svc.keys.group, count=n)
-    ranked = sorted((entry_time(entry_id) + i * svc.s.aging_s, i) for i, ids in enumerate(unread) for entry_id in ids)
-    plan = dict.fromkeys(streams, 0)
+    streams = [(s, rank) for rank, level in enumerate(LEVELS[NORMAL:]) for s in svc.keys.level_streams(level)]
+    unread = svc.scripts.unread(svc.r, [s for s, _ in streams], group=svc.keys.group, count=n)
+    ranked = sorted((entry_time(entry_id) + streams[i][1] * svc.s.aging_s, i) for i, ids in enumerate(unread)
+                    for entry_id in ids)
+    plan = dict.fromkeys((s for s, _ in streams), 0)
     for _, i in ranked[:n]:
-        plan[streams[i]] += 1
+        plan[streams[i][0]] += 1
     return plan
 
 

@@ -80,7 +80,7 @@ def test_key_layout_each_script_in_one_slot():
 def test_raw_and_client_requests_served_on_a_cluster(cluster, cprefix, worker_factory, reference, capsys):
     rc = connect(cluster.url)
     assert is_cluster(rc)
-    specs = mixed_requests(10, seed=3, tag="raw", max_tokens=(2, 30))
+    specs = mixed_requests(6, seed=3, tag="raw", max_tokens=(2, 20))
     for s in specs:
         reference(s.input_ids, s.max_tokens)
     start_worker(worker_factory, cluster, cprefix, rc)
@@ -131,7 +131,7 @@ def _other_producers(url: str, prefix: str, text: str, capsys) -> None:
 
 def test_a_worker_killed_mid_generation_is_resumed_by_another(cluster, cprefix, worker_factory, reference):
     rc = connect(cluster.url)
-    specs = mixed_requests(4, seed=5, tag="kill", max_tokens=(60, 80))
+    specs = mixed_requests(3, seed=5, tag="kill", max_tokens=(40, 50))
     for s in specs:
         reference(s.input_ids, s.max_tokens)
     first = start_worker(worker_factory, cluster, cprefix, rc)

@@ -24,7 +24,7 @@ class Settings:
     redis_url: str = _f("redis://localhost:6379/0", "Redis URL (redis://, rediss:// for TLS, user:password@ for AUTH)")
     prefix: str = _f(DEFAULT_PREFIX, "key prefix of every Redis key")
     # The model.
-    model: str = _f("smollm2", "model: 'smollm2' (the bundled default), a local transformers directory or a hub id")
+    model: str = _f("smollm2", "model: 'smollm2' (the bundled default), 'gemma3-270m', a local transformers directory or a hub id")
     device: str = _f("auto", "cpu, cuda, cuda:N or auto")
     dtype: str = _f("auto", "float32, bfloat16, float16, float64 or auto (bf16 on CUDA, fp32 on CPU)")
     name: str = _f("", "worker name (default: host-pid)")

@@ -17,7 +17,8 @@ ignored (every output has its exact length). Systems, all in one run on the same
   hf-single    transformers generate, one request at a time (slow: a subset, ``--hf-single N``)
   vllm         vLLM's CPU build, in its own Python (``--vllm-python PATH``)
 
-Configs: ``tiny`` and ``small`` (random Llama models) and ``smollm2`` (the default model).
+Configs: ``tiny`` and ``small`` (random Llama models), ``smollm2`` (the default model) and
+``gemma3-270m`` (Gemma 3 270M, ``pip install '.[gemma3]'``).
 It prints a markdown table of output tokens/s, mean and p99 time to first token and
 inter-token latency, each throughput as a ratio to tokenq's engine; then the engine's KV
 cache waste at peak (slots allocated but unused / slots allocated) and its scheduling +
@@ -70,20 +71,19 @@ CONFIGS = {
 
 
 def build_model(name: str, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """(model, model_dir or None): a random Llama from CONFIGS, or the default SmolLM2 model."""
+    """(model, model_dir or None): a random Llama from CONFIGS, or a bundled real model."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from worker import attention
+    from worker.models import BUNDLED, bundled_dir
 
     attention.register()
-    if name == "smollm2":
-        from worker.models import smollm2_dir
-
-        path = str(smollm2_dir())
+    if name in BUNDLED:  # smollm2 (the default model), gemma3-270m
+        path = str(bundled_dir(name))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
         return model.to(device).eval(), path
     if name not in CONFIGS:
-        raise SystemExit(f"unknown config {name!r}: one of {', '.join(list(CONFIGS) + ['smollm2'])}")
+        raise SystemExit(f"unknown config {name!r}: one of {', '.join(list(CONFIGS) + list(BUNDLED))}")
     torch.manual_seed(seed)
     cfg = LlamaConfig(**CONFIGS[name], max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                       tie_word_embeddings=False)
@@ -503,7 +503,7 @@ def _where(args) -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few requests, tiny config, all systems briefly (CI)")
-    ap.add_argument("--configs", default="tiny,small,smollm2", help="comma list of tiny, small, smollm2")
+    ap.add_argument("--configs", default="tiny,small,smollm2", help="comma list of tiny, small, smollm2, gemma3-270m")
     ap.add_argument("--systems", default="engine,ideal,hf-static,hf-cb,hf-single",
                     help=f"comma list of {', '.join(ALL_SYSTEMS)} (default: all but redis and vllm, which "
                          "--redis and --vllm-python add)")

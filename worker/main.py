@@ -85,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenq-worker: cannot load model {settings.model!r}: {e}", file=sys.stderr)
         return 2
     device = str(next(model.parameters()).device)
-    engine = Engine(model, tokenizer, engine_config(settings, device))
+    try:
+        engine = Engine(model, tokenizer, engine_config(settings, device))
+    except models.UnsupportedModelError as e:  # its family, or the start-up probe, says it cannot be served exactly
+        print(f"tokenq-worker: cannot serve model {settings.model!r}: {e}", file=sys.stderr)
+        return 2
     service = Service(engine, settings, model_name=settings.model, device=device)
     service.install_signal_handlers()
     if settings.metrics_port:

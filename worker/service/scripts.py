@@ -11,23 +11,30 @@ import redis
 
 from common.redis import is_cluster
 
+_HAS_FINAL = """
+local function has_final(key)
+  for _, e in ipairs(redis.call('XRANGE', key, '-', '+')) do
+    local f = e[2]
+    for i = 1, #f, 2 do
+      if f[i] == 'type' and (f[i + 1] == 'done' or f[i + 1] == 'error') then return true end
+    end
+  end
+  return false
+end
+"""
+
 # Publish a request's final entry, XACK and XDEL its request entry, only while this worker
 # still owns the entry, or when nobody does and the result stream has no final entry yet
 # (Redis lost the entry: the request still gets its answer). A worker frozen past
 # claim_idle_s whose entry another worker claimed (and may have finished) publishes no
 # second final entry; nor does a transaction re-sent after its reply was lost.
 # KEYS: request stream, result stream. ARGV: group, entry id, consumer, maxlen, ttl, fields...
-FINALIZE = """
+FINALIZE = _HAS_FINAL + """
 local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if ok and p[1] then
   if p[1][2] ~= ARGV[3] then return 0 end
 else
-  for _, e in ipairs(redis.call('XRANGE', KEYS[2], '-', '+')) do
-    local f = e[2]
-    for i = 1, #f, 2 do
-      if f[i] == 'type' and (f[i + 1] == 'done' or f[i + 1] == 'error') then return 0 end
-    end
-  end
+  if has_final(KEYS[2]) then return 0 end
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 6))
 redis.call('EXPIRE', KEYS[2], ARGV[5])
@@ -180,18 +187,13 @@ return 1
 # KEYS: result stream, fence. ARGV: owner, maxlen, ttl, fields... 1 written; 2 written
 # before by this owner (ack again); 0 refused (another owner, or a final exists already).
 # No fence (Redis lost it, or an entry answered unread): written if no final is there yet.
-FENCED_FINAL = """
+FENCED_FINAL = _HAS_FINAL + """
 local f = redis.call('HMGET', KEYS[2], 'owner', 'done')
 if f[1] then
   if f[1] ~= ARGV[1] then return 0 end
   if f[2] then return 2 end
 else
-  for _, e in ipairs(redis.call('XRANGE', KEYS[1], '-', '+')) do
-    local x = e[2]
-    for i = 1, #x, 2 do
-      if x[i] == 'type' and (x[i + 1] == 'done' or x[i + 1] == 'error') then return 0 end
-    end
-  end
+  if has_final(KEYS[1]) then return 0 end
 end
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 4))
 redis.call('EXPIRE', KEYS[1], ARGV[3])

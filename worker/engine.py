@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.protocol import SamplingParams
-from worker import attention, fallback, probe, sampler
+from worker import attention, fallback, fastpath, probe, sampler
 from worker.admission import Decision, decide
 from worker.cache import BlockAllocator, KVCache
 from worker.config import EngineConfig
@@ -109,7 +109,7 @@ class Engine:
         model_len = max_exact_len(mcfg)
         self.max_model_len = min(cfg.max_model_len or model_len, model_len, num_pages * cfg.page_size)
         self.scheduler = Scheduler(cfg, self.allocator, self.max_model_len, host_alloc)
-        self.runner = ModelRunner(self.model, self.cache)
+        self.runner = ModelRunner(fastpath.forward_model(self.model, self.device, cfg.fast_path), self.cache)
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = self._eos_ids(model, tokenizer)
         self._seqs: dict[str, Sequence] = {}

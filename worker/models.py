@@ -118,11 +118,21 @@ def check_supported(config, model=None) -> None:
         raise UnsupportedModelError(f"model family {fam!r} is not supported by tokenq's paged attention: {why}")
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bfloat16 GEMMs run natively (about 2x float32's rate); elsewhere
+    bf16 is emulated and slower than float32."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(torch.cpu._is_avx512_bf16_supported() or (amx is not None and amx()))
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA and on CPUs with native bf16 (cpu_has_native_bf16), float32 elsewhere."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in ("auto", "", None):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
+            return torch.bfloat16
+        return torch.float32
     try:
         return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}[dtype]

@@ -349,6 +349,8 @@ def _sse(obj: Any) -> str:
 
 def create_app(settings: Settings | None = None, *, client: AsyncClient | None = None) -> FastAPI:
     """The gateway app for ``settings`` (default: from the environment)."""
+    from producer.batch import routes as batch_routes  # it imports this module's helpers
+
     settings = settings or Settings.from_env()
     metrics = Metrics()
     started = int(time.time())
@@ -359,13 +361,15 @@ def create_app(settings: Settings | None = None, *, client: AsyncClient | None =
     async def lifespan(app: FastAPI):
         state["client"] = client or AsyncClient(settings.redis_url, settings.prefix, limits=settings.limits)
         try:
-            yield
+            async with batch_routes.lifespan(app, settings, state["client"].redis):
+                yield
         finally:
             if client is None:
                 await state["client"].aclose()
 
     app = FastAPI(title="tokenq gateway", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.include_router(batch_routes.router)
 
     def qc() -> AsyncClient:
         if "client" not in state:  # the app is served without its lifespan (some test clients)

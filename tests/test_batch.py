@@ -8,9 +8,8 @@ import httpx
 import openai
 import pytest
 from batch_helpers import by_custom_id, chat_line, completion_line, lines_of, submit, upload, wait_batch
-from producer_helpers import serve_gateway, shared_worker, wait_for
+from producer_helpers import serve_gateway, shared_worker
 
-from common.keys import Keys
 from common.settings import Settings
 
 
@@ -110,3 +109,91 @@ def test_list_is_paginated(oai):
     assert rest.data[0].id == ids[0]
     for bid in ids:
         wait_batch(oai, bid)
+    with pytest.raises(openai.APIStatusError) as e:  # a finished batch stays as it is
+        oai.batches.cancel(ids[0])
+    assert e.value.status_code == 409
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def _failed_with(oai, raw_lines: list, code: str, line: int, endpoint: str = "/v1/chat/completions"):
+    b = wait_batch(oai, submit(oai, raw_lines, endpoint=endpoint).id)
+    assert b.status == "failed" and b.failed_at and b.output_file_id is None, b
+    errs = [(e.code, e.line) for e in b.errors.data]
+    assert (code, line) in errs, errs
+    return b
+
+
+def test_malformed_lines_fail_the_batch(oai):
+    good = chat_line("a", "hi")
+    _failed_with(oai, [good, b"{not json", chat_line("c", "x")], "invalid_json_line", 2)
+    _failed_with(oai, [good, b"[1, 2]"], "invalid_json_line", 2)
+    _failed_with(oai, [good, {**chat_line("b", "x"), "url": "/v1/embeddings"}], "invalid_url", 2)
+    _failed_with(oai, [good, completion_line("b", "x")], "invalid_url", 2)  # another endpoint's line
+    _failed_with(oai, [good, {**chat_line("b", "x"), "method": "GET"}], "invalid_method", 2)
+    _failed_with(oai, [good, chat_line("a", "again")], "duplicate_custom_id", 2)
+    _failed_with(oai, [{**good, "custom_id": 7}], "missing_required_parameter", 1)
+    _failed_with(oai, [{**good, "body": "text"}], "invalid_request", 1)
+    b = _failed_with(oai, [b"{", b"{", good], "invalid_json_line", 1)
+    assert [e.line for e in b.errors.data] == [1, 2]
+
+
+def test_bad_batch_and_file_requests(oai):
+    fid = upload(oai, [chat_line("a", "hi")])
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.batches.create(input_file_id=fid, endpoint="/v1/embeddings", completion_window="24h")
+    assert e.value.body["param"] == "endpoint"
+    with pytest.raises(openai.BadRequestError):
+        oai.batches.create(input_file_id=fid, endpoint="/v1/completions", completion_window="forever")
+    with pytest.raises(openai.NotFoundError):
+        oai.batches.create(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.batches.create(input_file_id=fid, endpoint="/v1/completions", completion_window="24h",
+                           extra_body={"priority": "urgent"})
+    assert e.value.body["param"] == "priority"
+    with pytest.raises(openai.BadRequestError):
+        oai.files.create(file=("x.jsonl", b"\n \n"), purpose="batch")
+    with pytest.raises(openai.BadRequestError):
+        oai.files.create(file=("x.jsonl", b"\xff\xfe"), purpose="batch")
+    with pytest.raises(openai.BadRequestError):
+        oai.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
+    with pytest.raises(openai.NotFoundError):
+        oai.batches.retrieve("batch_nope")
+
+
+def test_rejected_bodies_become_error_lines(oai, gateway):
+    """Each body the synchronous endpoint refuses: an error-file line holding that very answer."""
+    base, _ = gateway
+    bad = {
+        "n": chat_line("n", "hi", n=2),
+        "max_tokens": chat_line("max_tokens", "hi", max_tokens=-5),
+        "model": {**chat_line("model", "hi"), "body": {**chat_line("x", "hi")["body"], "model": "other"}},
+        "messages": {**chat_line("messages", "hi"), "body": {"model": "tiny", "messages": []}},
+        "temperature": chat_line("temperature", "hi", temperature="hot"),
+        "tools": chat_line("tools", "hi", tools=[{"type": "function"}]),
+        "too_long": chat_line("too_long", "word " * 3000),  # found by the worker
+    }
+    good = [chat_line(f"ok-{i}", f"prompt {i}") for i in range(3)]
+    lines = [good[0], *bad.values(), *good[1:], chat_line("stream", "hi", stream=True)]
+    b = wait_batch(oai, submit(oai, lines).id)
+    assert b.status == "completed"
+    assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (11, 3, 8)
+    assert set(by_custom_id(lines_of(oai, b.output_file_id))) == {"ok-0", "ok-1", "ok-2"}
+    errors = by_custom_id(lines_of(oai, b.error_file_id))
+    assert set(errors) == {*bad, "stream"}
+    for cid, line in bad.items():
+        sync = _sync(base, "/v1/chat/completions", line["body"])
+        got = errors[cid]
+        assert got["error"] is None and got["response"]["status_code"] == sync.status_code
+        assert got["response"]["body"] == sync.json(), cid
+    assert errors["stream"]["response"]["body"]["error"]["param"] == "stream"
+
+
+def test_oversized_file_is_refused(redis_url, prefix):
+    with serve_gateway(_settings(redis_url, prefix, batch_max_file_bytes=1000)) as base:
+        oai = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as e:
+            oai.files.create(file=("big.jsonl", b'{"a": 1}\n' * 200), purpose="batch")
+        assert e.value.status_code == 413 and e.value.body["code"] == "file_too_large"
+        assert oai.files.create(file=("ok.jsonl", b'{"a": 1}\n' * 10), purpose="batch").bytes == 90

@@ -223,6 +223,8 @@ class Carrier:
             line.index = nxt + k
             p = prepare_line(line, batch_id=self.bid, chat=self.chat, priority=self.h["priority"],
                              model_name=self.s.model_name, prepare=self.prepare)
+            if len(p.requests) > room and (self.inflight or any(x and x.requests for x in batch)):
+                break  # it waits for room (a line of more prompts than the bound goes alone)
             batch.append(p)
             room -= len(p.requests)
             if room <= 0:

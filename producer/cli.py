@@ -4,6 +4,7 @@
     tokenq status [--watch] [--json]
     tokenq cancel <id> [<id> ...]
     tokenq gateway --host 0.0.0.0 --port 8000
+    tokenq batch submit input.jsonl --wait -o output.jsonl   (producer/batch/cli.py)
 
 Every command takes ``--redis-url`` and ``--prefix`` (or ``TOKENQ_REDIS_URL`` /
 ``TOKENQ_PREFIX``). Exit status: 0 success, 1 the request failed (error entry, timeout,
@@ -58,7 +59,7 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {}
-PLUGIN_MODULES = ("producer.bench",)  # imported when present; they call command(...)
+PLUGIN_MODULES = ("producer.bench", "producer.batch.cli")  # imported when present; they call command(...)
 ENTRY_POINT_GROUP = "tokenq.commands"  # entry points naming a module (or a callable taking no arguments)
 
 
@@ -502,7 +503,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _gateway_args(p: argparse.ArgumentParser) -> None:
-    Settings.add_arguments(p, ["host", "port", "api_key", "model_name"])
+    Settings.add_arguments(p, ["host", "port", "api_key", "model_name", "batch_feed_limit", "batch_max_file_bytes",
+                               "batch_max_requests", "batch_ttl_s", "batch_lease_s"])
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 

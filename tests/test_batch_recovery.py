@@ -112,7 +112,7 @@ def test_a_runner_without_the_lease_writes_nothing(redis_url, prefix, r):
 
     async def go() -> None:
         ar = connect_async(redis_url)
-        store = Store(ar, keys, ttl_s=86400, max_file_bytes=10_000)
+        store = Store.of(ar, s)
         f = await store.put_file(json.dumps(chat_line("a", "x")).encode(), filename="a", purpose="batch")
         b = await store.create_batch(input_file_id=f["id"], endpoint="/v1/chat/completions",
                                      completion_window="24h", metadata=None, priority="low")

@@ -69,6 +69,10 @@ class Carrier:
         return self.h["endpoint"] == "/v1/chat/completions"
 
     @property
+    def model_name(self) -> str:
+        return self.h.get("model") or self.s.model_name
+
+    @property
     def input_key(self) -> str:
         return self.keys.file_lines(self.h["input_file_id"])
 
@@ -222,7 +226,7 @@ class Carrier:
                 continue
             line.index = nxt + k
             p = prepare_line(line, batch_id=self.bid, chat=self.chat, priority=self.h["priority"],
-                             model_name=self.s.model_name, prepare=self.prepare)
+                             model_name=self.model_name, prepare=self.prepare)
             if len(p.requests) > room and (self.inflight or any(x and x.requests for x in batch)):
                 break  # it waits for room (a line of more prompts than the bound goes alone)
             batch.append(p)
@@ -299,7 +303,7 @@ class Carrier:
                 ends.append(e)
         if ending is not None and any(getattr(e, "finish_reason", None) == "cancelled" for e in ends):
             return "err", batch_error_line(self.bid, line, *ENDED[ending])
-        ok, text = response_line(self.bid, line, ends, chat=self.chat, model_name=self.s.model_name)
+        ok, text = response_line(self.bid, line, ends, chat=self.chat, model_name=self.model_name)
         return ("out" if ok else "err"), text
 
     async def write_lines(self, ended: list[tuple[int, str, str]]) -> None:

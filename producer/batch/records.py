@@ -84,10 +84,10 @@ def file_object(h: Mapping[str, str]) -> dict[str, Any]:
 
 
 def batch_fields(batch_id: str, *, input_file_id: str, endpoint: str, window: str, metadata: dict | None,
-                 priority: str, created_at: int, expires_at: int) -> dict[str, str]:
+                 priority: str, created_at: int, expires_at: int, model: str) -> dict[str, str]:
     """The hash of a new batch; ``out_file``/``err_file`` are the ids its output files will take."""
     return {"id": batch_id, "input_file_id": input_file_id, "endpoint": endpoint, "completion_window": window,
-            "metadata": json.dumps(metadata) if metadata is not None else "", "priority": priority,
+            "metadata": json.dumps(metadata) if metadata is not None else "", "priority": priority, "model": model,
             "status": "validating", "created_at": str(created_at), "expires_at": str(expires_at),
             "out_file": new_file_id(), "err_file": new_file_id(),
             "total": "0", "completed": "0", "failed": "0", "next": "0",

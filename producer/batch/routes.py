@@ -21,7 +21,7 @@ import redis.asyncio
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
 
-from common.keys import LEVELS, Keys, priority_of
+from common.keys import LEVELS, priority_of
 from common.settings import Settings
 from producer.batch.runner import BatchRunner
 from producer.batch.store import Store, StoreError
@@ -57,8 +57,7 @@ async def _call(coro: Any) -> Any:
 @asynccontextmanager
 async def lifespan(app: Any, settings: Settings, r: redis.asyncio.Redis) -> AsyncIterator[None]:
     """The store on ``r`` for the routes, and a runner carrying batches while the app serves."""
-    app.state.batch_store = Store(r, Keys(settings.prefix), ttl_s=settings.batch_ttl_s,
-                                  max_file_bytes=settings.batch_max_file_bytes)
+    app.state.batch_store = Store.of(r, settings)
     runner = BatchRunner(r, settings)
     runner.start()
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import uuid
 
@@ -31,8 +32,10 @@ MAX_CARRIED = 8  # batches one runner carries at once (the others are left to ot
 
 
 class BatchRunner:
-    def __init__(self, r: redis.asyncio.Redis, settings: Settings, *, name: str | None = None):
+    def __init__(self, r: redis.asyncio.Redis, settings: Settings, *, name: str | None = None,
+                 only: set[str] | None = None):
         self.r, self.s = r, settings
+        self.only = only  # carry just these batches (``tokenq batch submit --wait``), or any
         self.keys = Keys(settings.prefix)
         self.name = name or f"runner-{uuid.uuid4().hex[:8]}"
         self.prepare = functools.partial(build_request, keys=self.keys, limits=settings.limits)
@@ -59,7 +62,7 @@ class BatchRunner:
     async def scan(self) -> None:
         for raw in await self.r.smembers(self.keys.batches_active):
             bid = raw.decode() if isinstance(raw, bytes) else raw
-            if bid in self.carried or len(self.carried) >= MAX_CARRIED:
+            if bid in self.carried or len(self.carried) >= MAX_CARRIED or (self.only and bid not in self.only):
                 continue
             if not await self.r.exists(self.keys.batch(bid)):
                 await self.r.srem(self.keys.batches_active, bid)  # expired
@@ -107,8 +110,6 @@ class BatchRunner:
                 return
 
     async def fail(self, bid: str, token: str, e: Exception) -> None:
-        import json
-
         h = decode_hash(await self.r.hgetall(self.keys.batch(bid)))
         statuses = tuple(s for s in ("validating", "in_progress", "finalizing", "cancelling") if s == h.get("status"))
         if statuses:

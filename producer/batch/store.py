@@ -17,6 +17,7 @@ from typing import Any
 import redis.asyncio
 
 from common.keys import Keys
+from common.settings import Settings
 from producer.batch import records, scripts
 from producer.batch.records import decode_hash
 
@@ -32,8 +33,14 @@ class StoreError(Exception):
 
 
 class Store:
-    def __init__(self, r: redis.asyncio.Redis, keys: Keys, *, ttl_s: int, max_file_bytes: int):
+    def __init__(self, r: redis.asyncio.Redis, keys: Keys, *, ttl_s: int, max_file_bytes: int, model_name: str):
         self.r, self.keys, self.ttl_s, self.max_file_bytes = r, keys, ttl_s, max_file_bytes
+        self.model_name = model_name  # recorded in each batch: whichever runner carries it judges ``model`` alike
+
+    @classmethod
+    def of(cls, r: redis.asyncio.Redis, settings: Settings) -> Store:
+        return cls(r, Keys(settings.prefix), ttl_s=settings.batch_ttl_s, max_file_bytes=settings.batch_max_file_bytes,
+                   model_name=settings.model_name)
 
     # ------------------------------------------------------------ files
     async def put_file(self, data: bytes, *, filename: str, purpose: str) -> dict[str, Any]:
@@ -129,7 +136,8 @@ class Store:
             raise StoreError(400, f"file {input_file_id!r} is not a batch input file", "input_file_id")
         bid, now = records.new_batch_id(), int(time.time())
         h = records.batch_fields(bid, input_file_id=input_file_id, endpoint=endpoint, window=completion_window,
-                                 metadata=metadata, priority=priority, created_at=now, expires_at=now + window)
+                                 metadata=metadata, priority=priority, created_at=now, expires_at=now + window,
+                                 model=self.model_name)
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.batch(bid), mapping=h)
         pipe.expire(self.keys.batch(bid), self.ttl_s)

@@ -10,8 +10,9 @@ tokens, greedy, EOS ignored) sent two ways:
   batch    one JSONL file through ``POST /v1/files`` + ``POST /v1/batches`` (priority low),
            fed by the gateway under ``batch_feed_limit``, timed from create to ``completed``
 
-Meanwhile a probe sends a ``high`` request (8 tokens) every ``--probe-every`` seconds and takes
-its time to first token; the same probe on the idle worker first gives the baseline. Printed:
+Meanwhile a probe streams a ``high`` request (8 tokens) through the gateway every
+``--probe-every`` seconds and takes its time to first token; the same probe on the idle
+worker first gives the baseline. Printed:
 output tokens/s of each way, the batch/direct ratio, probe TTFT (mean, p90) idle / during
 direct / during batch. ``--repeat R`` alternates direct and batch R times and keeps each one's
 best throughput (shared machines are noisy).
@@ -67,24 +68,29 @@ def wait_until(cond, timeout: float, what: str) -> None:
 
 
 class Probe(threading.Thread):
-    """High-priority requests, one every ``every`` s, each timed to its first token."""
+    """Interactive traffic: a streamed ``high`` /v1/completions request through the gateway every
+    ``every`` s, each timed to its first token (so the gateway's own load counts too)."""
 
-    def __init__(self, client: Client, every: float):
+    def __init__(self, base: str, every: float):
         super().__init__(daemon=True)
-        self.client, self.every = client, every
+        self.base, self.every = base, every
         self.ttft: list[float] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
-        while not self.stop.is_set():
-            t0 = time.perf_counter()
-            h = self.client.submit(input_ids=[5, 6, 7, 8, 9, 10, 11, 12], max_tokens=8, temperature=0,
-                                   ignore_eos=True, priority="high")
-            for _ in h.chunks(timeout=120):
-                self.ttft.append(time.perf_counter() - t0)
-                break
-            h.result(timeout=120)
-            self.stop.wait(max(0.0, self.every - (time.perf_counter() - t0)))
+        body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "stream": True, "priority": "high"}
+        with httpx.Client(base_url=self.base, timeout=120) as h:
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                first = None
+                with h.stream("POST", "/v1/completions", json=body) as resp:
+                    for line in resp.iter_lines():
+                        if first is None and line.startswith("data: {"):  # the first text (empty deltas are not sent)
+                            first = time.perf_counter() - t0
+                if first is not None:
+                    self.ttft.append(first)
+                self.stop.wait(max(0.0, self.every - (time.perf_counter() - t0)))
 
     def finish(self) -> list[float]:
         self.stop.set()
@@ -178,13 +184,13 @@ def main() -> int:
             client = Client(args.redis_url, prefix)
             bodies = workload(args.requests, args.seed)
             run_direct(client, bodies[:32])  # warm-up
-            idle = Probe(client, 0.0)
+            idle = Probe(base, 0.0)
             idle.start()
             wait_until(lambda: len(idle.ttft) >= args.idle_probes, 300, "the idle probes")
             figures: dict = {"idle_ttft": idle.finish(), "direct": [], "batch": []}
             for _ in range(args.repeat):
                 for name, fn in (("direct", lambda: run_direct(client, bodies)), ("batch", lambda: run_batch(base, bodies))):
-                    probe = Probe(client, args.probe_every)
+                    probe = Probe(base, args.probe_every)
                     probe.start()
                     wall, tokens = fn()
                     figures[name].append({"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,

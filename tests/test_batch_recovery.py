@@ -67,6 +67,23 @@ def test_feed_bound_and_priority(redis_url, prefix, r):
         assert fields[b"id"].decode() == f"{high.id}-0"
 
 
+@pytest.mark.parametrize("n", [10_000, pytest.param(100_000, marks=pytest.mark.slow)])
+def test_a_large_file_is_fed_under_the_bound(n, redis_url, prefix, r, monkeypatch):
+    monkeypatch.setattr(carrier, "CANCEL_GRACE_S", 0.2)
+    keys = Keys(prefix)
+    with serve_gateway(_settings(redis_url, prefix, batch_feed_limit=10)) as base:
+        oai = _client(base)
+        t0 = time.monotonic()
+        b = submit(oai, [chat_line(f"c{i}", f"prompt {i}") for i in range(n)])
+        b = wait_batch(oai, b.id, ("in_progress",), timeout=120)
+        assert b.request_counts.total == n
+        time.sleep(0.5)
+        assert r.xlen(keys.requests("low")) == 10 and r.hlen(keys.batch_inflight(b.id)) == 10
+        print(f"{n} lines uploaded and validated in {time.monotonic() - t0:.1f} s")
+        oai.batches.cancel(b.id)
+        assert wait_batch(oai, b.id).status == "cancelled"
+
+
 def test_cancel_of_queued_requests(redis_url, prefix, r, monkeypatch):
     monkeypatch.setattr(carrier, "CANCEL_GRACE_S", 0.5)
     keys = Keys(prefix)

@@ -361,15 +361,14 @@ def create_app(settings: Settings | None = None, *, client: AsyncClient | None =
     async def lifespan(app: FastAPI):
         state["client"] = client or AsyncClient(settings.redis_url, settings.prefix, limits=settings.limits)
         try:
-            async with batch_routes.lifespan(app, settings, state["client"].redis):
-                yield
+            yield
         finally:
             if client is None:
                 await state["client"].aclose()
 
     app = FastAPI(title="tokenq gateway", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
-    app.include_router(batch_routes.router)
+    app.include_router(batch_routes.router)  # /v1/files, /v1/batches, and the batch runner
 
     def qc() -> AsyncClient:
         if "client" not in state:  # the app is served without its lifespan (some test clients)

@@ -6,8 +6,8 @@
 tokenq's ``priority``: the queue level of the batch's requests, ``low`` unless set),
 ``GET /v1/batches`` (``after``, ``limit``), ``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``.
 
-The gateway mounts :data:`router` and runs :func:`lifespan` inside its own: the store (on the
-gateway's Redis connection) and this process's :class:`~producer.batch.runner.BatchRunner`.
+The gateway includes :data:`router`; its :func:`lifespan` (FastAPI runs an included router's
+inside the app's) holds the store and this process's :class:`~producer.batch.runner.BatchRunner`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import redis.asyncio
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
 
 from common.keys import LEVELS, priority_of
+from common.redis import connect_async
 from common.settings import Settings
 from producer.batch.runner import BatchRunner
 from producer.batch.store import Store, StoreError
@@ -44,9 +44,6 @@ def check_auth(request: Request) -> None:
                        "invalid_request_error", None, "invalid_api_key")
 
 
-router = APIRouter(dependencies=[Depends(check_auth)])
-
-
 async def _call(coro: Any) -> Any:
     try:
         return await coro
@@ -55,8 +52,11 @@ async def _call(coro: Any) -> Any:
 
 
 @asynccontextmanager
-async def lifespan(app: Any, settings: Settings, r: redis.asyncio.Redis) -> AsyncIterator[None]:
-    """The store on ``r`` for the routes, and a runner carrying batches while the app serves."""
+async def lifespan(app: Any) -> AsyncIterator[None]:
+    """While the app serves: the store for the routes and a runner carrying batches, on a Redis
+    connection of their own (the runner's blocking reads never hold up the interactive routes')."""
+    settings: Settings = app.state.settings
+    r = connect_async(settings.redis_url)
     app.state.batch_store = Store.of(r, settings)
     runner = BatchRunner(r, settings)
     runner.start()
@@ -64,6 +64,10 @@ async def lifespan(app: Any, settings: Settings, r: redis.asyncio.Redis) -> Asyn
         yield
     finally:
         await runner.aclose()
+        await r.aclose()
+
+
+router = APIRouter(dependencies=[Depends(check_auth)], lifespan=lifespan)
 
 
 # ---------------------------------------------------------------------------- files

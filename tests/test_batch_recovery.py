@@ -18,7 +18,7 @@ import openai
 import pytest
 import redis
 from batch_helpers import by_custom_id, chat_line, completion_line, lines_of, submit, wait_batch
-from producer_helpers import serve_gateway, shared_worker, wait_for
+from producer_helpers import done, publish, serve_gateway, shared_worker, tokens, wait_for
 
 from common.keys import Keys
 from common.local_redis import free_port
@@ -80,8 +80,12 @@ def test_a_large_file_is_fed_under_the_bound(n, redis_url, prefix, r, monkeypatc
         time.sleep(0.5)
         assert r.xlen(keys.requests("low")) == 10 and r.hlen(keys.batch_inflight(b.id)) == 10
         print(f"{n} lines uploaded and validated in {time.monotonic() - t0:.1f} s")
+        with pytest.raises(openai.APIStatusError) as e:  # its input cannot go while it runs
+            oai.files.delete(b.input_file_id)
+        assert e.value.status_code == 409
         oai.batches.cancel(b.id)
         assert wait_batch(oai, b.id).status == "cancelled"
+        assert oai.files.delete(b.input_file_id).deleted
 
 
 def test_cancel_of_queued_requests(redis_url, prefix, r, monkeypatch):
@@ -118,6 +122,23 @@ def test_expired_batch_accounts_for_every_line(redis_url, prefix, monkeypatch):
         assert set(errors) == {f"c{i}" for i in range(6)}
         assert {x["error"]["code"] for x in errors.values()} == {"batch_expired"}
         assert b.request_counts.failed == 6
+
+
+def test_a_batch_that_cannot_go_on_fails_rather_than_hangs(redis_url, prefix, r):
+    """Its input vanished from Redis (flushed by hand, say): the runner fails it, with the reason."""
+    keys = Keys(prefix)
+    with serve_gateway(_settings(redis_url, prefix, batch_feed_limit=2)) as base:
+        oai = _client(base)
+        b = submit(oai, [chat_line(f"c{i}", "x") for i in range(10)])
+        wait_batch(oai, b.id, ("in_progress",))
+        wait_for(lambda: r.xlen(keys.requests("low")) == 2, what="2 queued requests")
+        r.delete(keys.file_lines(b.input_file_id))
+        for i in range(2):  # the two queued requests end (written as a worker writes them): room for more
+            rid = f"{b.id}-{i}"
+            publish(r, keys.result(rid), tokens((0, [5], "a")) + [done(rid, "length", 3, 1)])
+        b = wait_batch(oai, b.id, timeout=30)
+        assert b.status == "failed" and b.errors.data[0].code == "internal"
+        assert "is gone" in b.errors.data[0].message and b.request_counts.completed >= 1
 
 
 # ---------------------------------------------------------------------------- leases

@@ -218,6 +218,8 @@ class Carrier:
         """Feed lines from ``nxt`` while the batch has room in the queue; the next line left to feed."""
         room = self.s.batch_feed_limit - self.queued()
         raws = await self.r.lrange(self.input_key, nxt, nxt + room - 1)
+        if not raws:  # the runner fails the batch with this, rather than wait on lines that are gone
+            raise RuntimeError(f"the input file {self.h['input_file_id']} is gone")
         batch: list[Prepared | None] = []
         for k, raw in enumerate(raws):
             line, _ = check_line(raw, self.h["endpoint"])

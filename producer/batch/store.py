@@ -110,6 +110,10 @@ class Store:
         return chunks()
 
     async def delete_file(self, file_id: str) -> dict[str, Any]:
+        for raw in await self.r.smembers(self.keys.batches_active):  # a running batch still reads its input
+            if records._s(await self.r.hget(self.keys.batch(records._s(raw)), "input_file_id") or b"") == file_id:
+                raise StoreError(409, f"file {file_id!r} is the input of batch {records._s(raw)}, which has not "
+                                 "ended", "file_id")
         n = await self.r.delete(self.keys.file(file_id), self.keys.file_lines(file_id))
         await self.r.zrem(self.keys.files, file_id)
         if not n:

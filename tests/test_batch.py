@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 from batch_helpers import by_custom_id, chat_line, completion_line, lines_of, submit, upload, wait_batch
-from producer_helpers import serve_gateway, shared_worker
+from producer_helpers import serve_gateway, shared_worker, wait_for
 
 from common.settings import Settings
 
@@ -197,3 +197,19 @@ def test_oversized_file_is_refused(redis_url, prefix):
             oai.files.create(file=("big.jsonl", b'{"a": 1}\n' * 200), purpose="batch")
         assert e.value.status_code == 413 and e.value.body["code"] == "file_too_large"
         assert oai.files.create(file=("ok.jsonl", b'{"a": 1}\n' * 10), purpose="batch").bytes == 90
+
+
+def test_cancel_mid_run_keeps_what_completed(oai):
+    lines = [chat_line(f"c{i}", f"story {i}", max_tokens=24) for i in range(40)]
+    b = submit(oai, lines)
+    wait_batch(oai, b.id, ("in_progress",))
+    wait_for(lambda: oai.batches.retrieve(b.id).request_counts.completed >= 2, 60, 0.05, "2 lines done")
+    assert oai.batches.cancel(b.id).status == "cancelling"
+    b = wait_batch(oai, b.id)
+    assert b.status == "cancelled" and b.cancelled_at
+    out = by_custom_id(lines_of(oai, b.output_file_id))
+    errors = by_custom_id(lines_of(oai, b.error_file_id))
+    assert len(out) == b.request_counts.completed >= 2 and len(errors) == b.request_counts.failed
+    assert not set(out) & set(errors) and len(out) + len(errors) < 40  # the unfed lines did not run
+    assert all(x["response"]["status_code"] == 200 for x in out.values())
+    assert all(x["error"]["code"] == "batch_cancelled" for x in errors.values())

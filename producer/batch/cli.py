@@ -168,6 +168,7 @@ async def _wait(store: Store, s: Settings, batch_id: str) -> dict[str, Any]:
 
     runner = BatchRunner(store.r, s, only={batch_id})
     runner.start()
+    runner.wake()
     bar = tqdm(total=0, unit="req", desc=batch_id[:18], file=sys.stderr, dynamic_ncols=True)
     try:
         while True:

@@ -60,6 +60,7 @@ async def lifespan(app: Any) -> AsyncIterator[None]:
     app.state.batch_store = Store.of(r, settings)
     runner = BatchRunner(r, settings)
     runner.start()
+    app.state.batch_runner = runner
     try:
         yield
     finally:
@@ -116,9 +117,11 @@ async def create_batch(request: Request) -> dict[str, Any]:
         priority = LEVELS[priority_of(raw)]
     except ValueError:
         raise _bad(f"priority must be one of {', '.join(LEVELS)}, got {raw!r}", "priority") from None
-    return await _call(store_of(request).create_batch(
+    b = await _call(store_of(request).create_batch(
         input_file_id=body.get("input_file_id"), endpoint=body.get("endpoint"),
         completion_window=body.get("completion_window", "24h"), metadata=body.get("metadata"), priority=priority))
+    request.app.state.batch_runner.wake()
+    return b
 
 
 @router.get("/v1/batches")

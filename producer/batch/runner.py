@@ -41,6 +41,11 @@ class BatchRunner:
         self.prepare = functools.partial(build_request, keys=self.keys, limits=settings.limits)
         self.carried: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """Scan now (a batch was just created here): no wait for the next scan to start it."""
+        self._wake.set()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self.run())
@@ -57,7 +62,11 @@ class BatchRunner:
                 await self.scan()
             except (redis.RedisError, OSError) as e:
                 log.warning("batch runner %s: Redis: %s", self.name, e)
-            await asyncio.sleep(SCAN_S)
+            try:
+                await asyncio.wait_for(self._wake.wait(), SCAN_S)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
 
     async def scan(self) -> None:
         for raw in await self.r.smembers(self.keys.batches_active):

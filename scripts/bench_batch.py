@@ -141,6 +141,14 @@ def run_batch(base: str, bodies: list[dict]) -> tuple[float, int]:
     return wall, tokens
 
 
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of a process (this one when ``pid`` is None)."""
+    if pid is None:
+        return time.process_time()
+    parts = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def stats(xs: list[float]) -> str:
     if not xs:
         return "—"
@@ -192,9 +200,12 @@ def main() -> int:
                 for name, fn in (("direct", lambda: run_direct(client, bodies)), ("batch", lambda: run_batch(base, bodies))):
                     probe = Probe(base, args.probe_every)
                     probe.start()
+                    cpu0 = (cpu_s(), cpu_s(procs[1].pid))
                     wall, tokens = fn()
+                    cpu = (cpu_s() - cpu0[0], cpu_s(procs[1].pid) - cpu0[1])
                     figures[name].append({"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
-                                          "probe_ttft": probe.finish()})
+                                          "probe_ttft": probe.finish(), "client_cpu_s": cpu[0],
+                                          "gateway_cpu_s": cpu[1]})
                     print(f"{name}: {tokens} tokens in {wall:.2f} s = {tokens / wall:,.0f} tok/s", file=sys.stderr)
         finally:
             for p in procs:
@@ -211,12 +222,13 @@ def main() -> int:
     ratio = best["batch"]["tok_s"] / best["direct"]["tok_s"]
     print(f"\n{args.requests} requests, tiny model, 1 worker (max_num_seqs {args.max_num_seqs}), "
           f"batch_feed_limit {args.feed_limit}, best of {args.repeat}\n")
-    print("| way | output tok/s | wall s | high-probe TTFT mean / p90 |")
-    print("|---|---:|---:|---|")
-    print(f"| idle worker | — | — | {stats(figures['idle_ttft'])} |")
+    print("| way | output tok/s | wall s | client / gateway CPU s | high-probe TTFT mean / p90 |")
+    print("|---|---:|---:|---:|---|")
+    print(f"| idle worker | — | — | — | {stats(figures['idle_ttft'])} |")
     for k in ("direct", "batch"):
         b = best[k]
-        print(f"| {k} | {b['tok_s']:,.0f} | {b['wall_s']:.2f} | {stats(b['probe_ttft'])} |")
+        print(f"| {k} | {b['tok_s']:,.0f} | {b['wall_s']:.2f} | {b['client_cpu_s']:.1f} / {b['gateway_cpu_s']:.1f} "
+              f"| {stats(b['probe_ttft'])} |")
     idle_mean = statistics.mean(figures["idle_ttft"])
     during = [x for f in figures["batch"] for x in f["probe_ttft"]]
     print(f"\nbatch / direct throughput: {ratio:.3f}; high TTFT during the batch / idle: "

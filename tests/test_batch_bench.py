@@ -17,7 +17,7 @@ def test_batch_bench_runs(tmp_path, redis_url):
                            "--idle-probes", "2", "--probe-every", "0.2", "--redis-url", redis_url, "--json", str(js)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| way | output tok/s | wall s | high-probe TTFT mean / p90 |" in proc.stdout
+    assert "| way | output tok/s | wall s | client / gateway CPU s | high-probe TTFT mean / p90 |" in proc.stdout
     assert "batch / direct throughput:" in proc.stdout
     data = json.loads(js.read_text())
     assert data["direct"][0]["tokens"] == data["batch"][0]["tokens"] > 0  # the same work both ways

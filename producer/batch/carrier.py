@@ -45,6 +45,10 @@ CHUNK = 1000  # lines read per LRANGE while validating
 MAX_ERRORS = 100  # a failed batch lists at most this many bad lines
 READ_BLOCK_MS = 200
 READ_COUNT = 512
+# Result streams are read at most this often: each read then brings a few steps' tokens of every
+# request at once. Reading as fast as entries arrive would spend a core (and Redis's time) on
+# reads of one entry each, taken from the worker, for answers nobody waits on to the millisecond.
+READ_INTERVAL_S = 0.05
 CANCEL_GRACE_S = 10.0  # cancelled requests get this long to end before they are written off
 ENDED = {"cancelled": ("batch_cancelled", "the batch was cancelled before this request completed"),
          "expired": ("batch_expired", "this request could not be executed before the completion window expired")}
@@ -61,6 +65,7 @@ class Carrier:
         self.h: dict[str, str] = {}
         self.inflight: dict[int, tuple[Line, list[ResultReader]]] = {}
         self.loaded = False
+        self.last_read = 0.0
         self.lost = False  # set by the lease keeper when a renewal fails
 
     # ------------------------------------------------------------ shorthands
@@ -282,6 +287,10 @@ class Carrier:
         """Read every in-flight result stream once (blocking briefly); write the lines that ended."""
         by_key = {x.key: x for _, readers in self.inflight.values() for x in readers if not x.done}
         if by_key:
+            wait = self.last_read + READ_INTERVAL_S - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self.last_read = time.monotonic()
             reply = await self.r.xread({k: x.last_id for k, x in by_key.items()}, count=READ_COUNT,
                                        block=READ_BLOCK_MS)
             for k, entries in (reply.items() if isinstance(reply, dict) else reply or []):

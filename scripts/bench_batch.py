@@ -156,7 +156,7 @@ def stats(xs: list[float]) -> str:
     return f"{statistics.mean(xs) * 1e3:,.0f} / {p90 * 1e3:,.0f} ms (n={len(xs)})"
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--redis-url", default=os.environ.get("TOKENQ_REDIS_URL", "redis://localhost:6379/0"))
     ap.add_argument("--requests", type=int, default=1000)
@@ -167,8 +167,51 @@ def main() -> int:
     ap.add_argument("--idle-probes", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="FILE")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def measure(args: argparse.Namespace, client: Client, base: str, gateway_pid: int) -> dict:
+    """The idle probe, then direct and batch ``--repeat`` times, alternating, each with a probe beside it."""
+    bodies = workload(args.requests, args.seed)
+    run_direct(client, bodies[:32])  # warm-up
+    idle = Probe(base, 0.0)
+    idle.start()
+    wait_until(lambda: len(idle.ttft) >= args.idle_probes, 300, "the idle probes")
+    figures: dict = {"idle_ttft": idle.finish(), "direct": [], "batch": []}
+    for _ in range(args.repeat):
+        for name, fn in (("direct", lambda: run_direct(client, bodies)), ("batch", lambda: run_batch(base, bodies))):
+            probe = Probe(base, args.probe_every)
+            probe.start()
+            cpu0 = (cpu_s(), cpu_s(gateway_pid))
+            wall, tokens = fn()
+            cpu = (cpu_s() - cpu0[0], cpu_s(gateway_pid) - cpu0[1])
+            figures[name].append({"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+                                  "probe_ttft": probe.finish(), "client_cpu_s": cpu[0], "gateway_cpu_s": cpu[1]})
+            print(f"{name}: {tokens} tokens in {wall:.2f} s = {tokens / wall:,.0f} tok/s", file=sys.stderr)
+    return figures
+
+
+def report(args: argparse.Namespace, figures: dict) -> float:
+    best = {k: max(figures[k], key=lambda x: x["tok_s"]) for k in ("direct", "batch")}
+    ratio = best["batch"]["tok_s"] / best["direct"]["tok_s"]
+    print(f"\n{args.requests} requests, tiny model, 1 worker (max_num_seqs {args.max_num_seqs}), "
+          f"batch_feed_limit {args.feed_limit}, best of {args.repeat}\n")
+    print("| way | output tok/s | wall s | client / gateway CPU s | high-probe TTFT mean / p90 |")
+    print("|---|---:|---:|---:|---|")
+    print(f"| idle worker | — | — | — | {stats(figures['idle_ttft'])} |")
+    for k in ("direct", "batch"):
+        b = best[k]
+        print(f"| {k} | {b['tok_s']:,.0f} | {b['wall_s']:.2f} | {b['client_cpu_s']:.1f} / {b['gateway_cpu_s']:.1f} "
+              f"| {stats(b['probe_ttft'])} |")
+    idle_mean = statistics.mean(figures["idle_ttft"])
+    during = [x for f in figures["batch"] for x in f["probe_ttft"]]
+    print(f"\nbatch / direct throughput: {ratio:.3f}; high TTFT during the batch / idle: "
+          f"{statistics.mean(during) / idle_mean:.2f}x")
+    return ratio
+
+
+def main() -> int:
+    args = parse_args()
     from tiny import save_tiny
 
     prefix = f"tqbench-batch-{uuid.uuid4().hex[:8]}"
@@ -188,25 +231,8 @@ def main() -> int:
         base = f"http://127.0.0.1:{port}"
         try:
             wait_until(lambda: r.exists(f"{prefix}:worker:bench"), 300, "the worker")
-            wait_until(lambda: _up(f"http://127.0.0.1:{port}/health"), 60, "the gateway")
-            client = Client(args.redis_url, prefix)
-            bodies = workload(args.requests, args.seed)
-            run_direct(client, bodies[:32])  # warm-up
-            idle = Probe(base, 0.0)
-            idle.start()
-            wait_until(lambda: len(idle.ttft) >= args.idle_probes, 300, "the idle probes")
-            figures: dict = {"idle_ttft": idle.finish(), "direct": [], "batch": []}
-            for _ in range(args.repeat):
-                for name, fn in (("direct", lambda: run_direct(client, bodies)), ("batch", lambda: run_batch(base, bodies))):
-                    probe = Probe(base, args.probe_every)
-                    probe.start()
-                    cpu0 = (cpu_s(), cpu_s(procs[1].pid))
-                    wall, tokens = fn()
-                    cpu = (cpu_s() - cpu0[0], cpu_s(procs[1].pid) - cpu0[1])
-                    figures[name].append({"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
-                                          "probe_ttft": probe.finish(), "client_cpu_s": cpu[0],
-                                          "gateway_cpu_s": cpu[1]})
-                    print(f"{name}: {tokens} tokens in {wall:.2f} s = {tokens / wall:,.0f} tok/s", file=sys.stderr)
+            wait_until(lambda: _up(base + "/health"), 60, "the gateway")
+            figures = measure(args, Client(args.redis_url, prefix), base, procs[1].pid)
         finally:
             for p in procs:
                 p.terminate()
@@ -218,21 +244,7 @@ def main() -> int:
             left = list(r.scan_iter(match=f"{prefix}:*", count=1000))
             if left:
                 r.delete(*left)
-    best = {k: max(figures[k], key=lambda x: x["tok_s"]) for k in ("direct", "batch")}
-    ratio = best["batch"]["tok_s"] / best["direct"]["tok_s"]
-    print(f"\n{args.requests} requests, tiny model, 1 worker (max_num_seqs {args.max_num_seqs}), "
-          f"batch_feed_limit {args.feed_limit}, best of {args.repeat}\n")
-    print("| way | output tok/s | wall s | client / gateway CPU s | high-probe TTFT mean / p90 |")
-    print("|---|---:|---:|---:|---|")
-    print(f"| idle worker | — | — | — | {stats(figures['idle_ttft'])} |")
-    for k in ("direct", "batch"):
-        b = best[k]
-        print(f"| {k} | {b['tok_s']:,.0f} | {b['wall_s']:.2f} | {b['client_cpu_s']:.1f} / {b['gateway_cpu_s']:.1f} "
-              f"| {stats(b['probe_ttft'])} |")
-    idle_mean = statistics.mean(figures["idle_ttft"])
-    during = [x for f in figures["batch"] for x in f["probe_ttft"]]
-    print(f"\nbatch / direct throughput: {ratio:.3f}; high TTFT during the batch / idle: "
-          f"{statistics.mean(during) / idle_mean:.2f}x")
+    ratio = report(args, figures)
     if args.json:
         Path(args.json).write_text(json.dumps({"ratio": ratio, **figures}, indent=2))
     return 0

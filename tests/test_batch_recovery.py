@@ -155,12 +155,12 @@ def test_a_runner_without_the_lease_writes_nothing(redis_url, prefix, r):
         b = await store.create_batch(input_file_id=f["id"], endpoint="/v1/chat/completions",
                                      completion_window="24h", metadata=None, priority="low")
         await ar.set(keys.batch_lease(b["id"]), "someone-else", px=60_000)
-        stale = Carrier(ar, keys, s, b["id"], "my-old-token", runner.BatchRunner(ar, s).prepare)
+        br = runner.BatchRunner(ar, s)
+        stale = Carrier(ar, keys, s, b["id"], "my-old-token", br.prepare, br.usage)
         with pytest.raises(LeaseLost):
             await stale.carry()
         assert (await store.get_batch(b["id"]))["status"] == "validating"
         # A runner leaves a leased batch alone, and takes it once the lease is gone.
-        br = runner.BatchRunner(ar, s)
         await br.scan()
         assert not br.carried
         await ar.delete(keys.batch_lease(b["id"]))

@@ -60,8 +60,10 @@ class LeaseLost(Exception):
 
 class Carrier:
     def __init__(self, r: redis.asyncio.Redis, keys: Keys, settings: Settings, batch_id: str, token: str,
-                 prepare: Callable[..., tuple[str, str, dict[str, str]]]):
+                 prepare: Callable[..., tuple[str, str, dict[str, str]]],
+                 usage: Callable[[list[Any]], dict[str, int]]):
         self.r, self.keys, self.s, self.bid, self.token, self.prepare = r, keys, settings, batch_id, token, prepare
+        self.usage = usage
         self.h: dict[str, str] = {}
         self.inflight: dict[int, tuple[Line, list[ResultReader]]] = {}
         self.loaded = False
@@ -314,7 +316,8 @@ class Carrier:
                 ends.append(e)
         if ending is not None and any(getattr(e, "finish_reason", None) == "cancelled" for e in ends):
             return "err", batch_error_line(self.bid, line, *ENDED[ending])
-        ok, text = response_line(self.bid, line, ends, chat=self.chat, model_name=self.model_name)
+        ok, text = response_line(self.bid, line, ends, chat=self.chat, model_name=self.model_name,
+                                 usage=self.usage)
         return ("out" if ok else "err"), text
 
     async def write_lines(self, ended: list[tuple[int, str, str]]) -> None:

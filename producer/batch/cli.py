@@ -25,7 +25,7 @@ from common.keys import LEVELS
 from common.settings import Settings
 from producer.batch import records
 from producer.batch.store import Store, StoreError
-from producer.cli import (
+from producer.cli.registry import (
     CONNECTION_FLAGS,
     EXIT_FAILED,
     EXIT_INTERRUPTED,

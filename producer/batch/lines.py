@@ -10,24 +10,15 @@ builds the output line with the gateway's own response body.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 # Everything the batch takes from the synchronous endpoint comes through these names, so that the
 # two judge a body and build a response in one way.
-from producer.gateway import (
-    APIError,
-    _bad,
-    _generation_error,
-    _messages,
-    _param_of,
-    _prompts,
-    _sampling,
-    _unsupported,
-    error_body,
-)
+from producer.gateway.errors import APIError, bad, error_body, generation_error, not_started, param_of
+from producer.gateway.models import ChatCompletionRequest, CompletionRequest
+from producer.gateway.replies import Reply
 from producer.types import GenerationError, Result
 
 MAX_CUSTOM_ID = 512
@@ -81,12 +72,9 @@ def check_line(raw: str | bytes, endpoint: str) -> tuple[Line | None, tuple[str,
     return Line(-1, cid, obj["body"]), None
 
 
-def _check_model(body: dict[str, Any], model_name: str) -> str:
-    model = body.get("model")
+def _check_model(model: Any, model_name: str) -> str:
     if model is None:
         return model_name
-    if not isinstance(model, str):
-        raise _bad("model must be a string", "model")
     if model != model_name:
         raise APIError(404, f"the model {model!r} does not exist; this gateway serves {model_name!r}",
                        "invalid_request_error", "model", "model_not_found")
@@ -97,25 +85,25 @@ def prepare_line(line: Line, *, batch_id: str, chat: bool, priority: str, model_
                  prepare: Callable[..., tuple[str, str, dict[str, str]]]) -> Prepared:
     """The queue requests of a line, checked as POST /v1/(chat/)completions checks them.
 
-    ``prepare`` is the client's request builder (``AsyncClient.prepare``: the worker's own parser).
+    ``prepare`` is the client's request builder (``build_request``: the worker's own parser).
     The line's own ``priority`` and ``request_id`` give way to the batch's.
     """
-    body = line.body
+    raw = line.body
     try:
-        _check_model(body, model_name)
-        _unsupported(body, chat)
-        if body.get("stream") not in (None, False):
-            raise _bad("stream is not supported in a batch", "stream")
-        items = [{"messages": _messages(body)}] if chat else _prompts(body)
-        kw = _sampling({**body, "priority": priority}, None, chat)
-        ids = request_ids(batch_id, line.index, len(items))
+        if isinstance(raw.get("model"), str):
+            _check_model(raw["model"], model_name)  # an unknown model is a 404 before any other fault
+        body = (ChatCompletionRequest if chat else CompletionRequest).parse(raw)
+        _check_model(body.model, model_name)
+        if body.stream:
+            raise bad("stream is not supported in a batch", "stream")
+        items = body.requests()
         out = []
-        for j, (it, rid) in enumerate(zip(items, ids)):
+        for j, (it, rid) in enumerate(zip(items, request_ids(batch_id, line.index, len(items)))):
             try:
-                out.append(prepare(**it, **kw, id=rid))
-            except (TypeError, ValueError) as e:
+                out.append(prepare(**{**it, "priority": priority, "id": rid}))
+            except (TypeError, ValueError) as e:  # as the synchronous endpoint words it
                 msg = str(e) if len(items) == 1 else f"prompt {j}: {e}"
-                raise _bad(msg, _param_of(str(e))) from None
+                raise bad(msg, param_of(str(e))) from None
     except APIError as e:
         return Prepared(line, error_line=http_error_line(batch_id, line, e, None))
     return Prepared(line, requests=out)
@@ -146,34 +134,24 @@ def batch_error_line(batch_id: str, line: Line, code: str, message: str) -> str:
                   "error": {"code": code, "message": message}})
 
 
-def completion_body(results: list[Result], chat: bool, rid: str, created: int, model: str) -> dict[str, Any]:
-    """The body of a non-streamed POST /v1/(chat/)completions answer."""
-    p = sum(r.usage.prompt_tokens for r in results)
-    c = sum(r.usage.completion_tokens for r in results)
-    if chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
-                    "finish_reason": r.finish_reason} for i, r in enumerate(results)]
-    else:
-        choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
-                   for i, r in enumerate(results)]
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "system_fingerprint": None, "choices": choices,
-            "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}}
+@dataclass
+class _Queued:
+    id: str  # what Reply needs of a handle
 
 
-def response_line(batch_id: str, line: Line, ends: list[Result | GenerationError], *, chat: bool,
-                  model_name: str) -> tuple[bool, str]:
-    """(succeeded, output line) for a line whose requests all ended (results or errors, in order)."""
+def response_line(batch_id: str, line: Line, ends: list[Result | GenerationError], *, chat: bool, model_name: str,
+                  usage: Callable[[list[Result]], dict[str, int]]) -> tuple[bool, str]:
+    """(succeeded, output line) for a line whose requests all ended (results or errors, in order);
+    ``usage`` is the gateway's token count (``Metrics.usage``)."""
     ids = [e.id if isinstance(e, Result) else (e.request_id or "") for e in ends]
     for e in ends:
         if isinstance(e, GenerationError):
-            return False, http_error_line(batch_id, line, _generation_error(e), ids)
+            return False, http_error_line(batch_id, line, generation_error(e), ids)
         if e.finish_reason == "timeout":
-            err = GenerationError("timeout", "no worker started the request within its timeout_s", e.id)
-            return False, http_error_line(batch_id, line, _generation_error(err), ids)
-    model = line.body.get("model") or model_name
-    rid = ("chatcmpl-" if chat else "cmpl-") + ids[0]
-    body = completion_body(ends, chat, rid, int(time.time()), model)  # type: ignore[arg-type]
+            return False, http_error_line(batch_id, line, not_started(e.id), ids)
+    results: list[Result] = ends  # type: ignore[assignment]
+    reply = Reply(chat, line.body.get("model") or model_name, [_Queued(i) for i in ids])  # type: ignore[misc]
     return True, _dump({"id": line_id(batch_id, line.index), "custom_id": line.custom_id,
-                        "response": {"status_code": 200, "request_id": ",".join(ids), "body": body},
+                        "response": {"status_code": 200, "request_id": ",".join(ids),
+                                     "body": reply.whole(results, usage(results))},
                         "error": None})

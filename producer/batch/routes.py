@@ -12,7 +12,6 @@ inside the app's) holds the store and this process's :class:`~producer.batch.run
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,25 +22,15 @@ from fastapi.responses import StreamingResponse
 from common.keys import LEVELS, priority_of
 from common.redis import connect_async
 from common.settings import Settings
-from producer.batch.runner import BatchRunner
 from producer.batch.store import Store, StoreError
-from producer.gateway import APIError, _bad, _json_body
+from producer.gateway.errors import APIError, bad
+from producer.gateway.state import check_auth, json_body
 
 UPLOAD_SLACK = 64 * 1024  # multipart framing around the file, allowed over the size cap
 
 
 def store_of(request: Request) -> Store:
     return request.app.state.batch_store
-
-
-def check_auth(request: Request) -> None:
-    key = request.app.state.settings.api_key
-    if not key:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                       "invalid_request_error", None, "invalid_api_key")
 
 
 async def _call(coro: Any) -> Any:
@@ -55,10 +44,12 @@ async def _call(coro: Any) -> Any:
 async def lifespan(app: Any) -> AsyncIterator[None]:
     """While the app serves: the store for the routes and a runner carrying batches, on a Redis
     connection of their own (the runner's blocking reads never hold up the interactive routes')."""
+    from producer.batch.runner import BatchRunner  # here: the gateway package imports this module
+
     settings: Settings = app.state.settings
     r = connect_async(settings.redis_url)
     app.state.batch_store = Store.of(r, settings)
-    runner = BatchRunner(r, settings)
+    runner = BatchRunner(r, settings, metrics=getattr(app.state, "metrics", None))
     runner.start()
     app.state.batch_runner = runner
     try:
@@ -110,13 +101,14 @@ async def delete_file(request: Request, file_id: str) -> dict[str, Any]:
 
 
 @router.post("/v1/batches")
-async def create_batch(request: Request) -> dict[str, Any]:
-    body = await _json_body(request)
+async def create_batch(request: Request, body: Any = Depends(json_body)) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
     raw = body.get("priority", "low")
     try:
         priority = LEVELS[priority_of(raw)]
     except ValueError:
-        raise _bad(f"priority must be one of {', '.join(LEVELS)}, got {raw!r}", "priority") from None
+        raise bad(f"priority must be one of {', '.join(LEVELS)}, got {raw!r}", "priority") from None
     b = await _call(store_of(request).create_batch(
         input_file_id=body.get("input_file_id"), endpoint=body.get("endpoint"),
         completion_window=body.get("completion_window", "24h"), metadata=body.get("metadata"), priority=priority))
@@ -127,7 +119,7 @@ async def create_batch(request: Request) -> dict[str, Any]:
 @router.get("/v1/batches")
 async def list_batches(request: Request, after: str | None = None, limit: int = 20) -> dict[str, Any]:
     if not 1 <= limit <= 100:
-        raise _bad(f"limit must be in [1, 100], got {limit}", "limit")
+        raise bad(f"limit must be in [1, 100], got {limit}", "limit")
     return await _call(store_of(request).list_batches(after, limit))
 
 

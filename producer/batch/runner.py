@@ -23,6 +23,7 @@ from common.settings import Settings
 from producer.batch import scripts
 from producer.batch.carrier import Carrier, LeaseLost
 from producer.batch.records import batch_error, decode_hash
+from producer.gateway.metrics import Metrics
 from producer.types import build_request
 
 log = logging.getLogger("tokenq.batch")
@@ -33,8 +34,9 @@ MAX_CARRIED = 8  # batches one runner carries at once (the others are left to ot
 
 class BatchRunner:
     def __init__(self, r: redis.asyncio.Redis, settings: Settings, *, name: str | None = None,
-                 only: set[str] | None = None):
+                 only: set[str] | None = None, metrics: Metrics | None = None):
         self.r, self.s = r, settings
+        self.usage = (metrics or Metrics()).usage  # batch tokens count where the gateway's do
         self.only = only  # carry just these batches (``tokenq batch submit --wait``), or any
         self.keys = Keys(settings.prefix)
         self.name = name or f"runner-{uuid.uuid4().hex[:8]}"
@@ -87,7 +89,7 @@ class BatchRunner:
         return max(100, int(self.s.batch_lease_s * 1000))
 
     async def carry(self, bid: str, token: str) -> None:
-        c = Carrier(self.r, self.keys, self.s, bid, token, self.prepare)
+        c = Carrier(self.r, self.keys, self.s, bid, token, self.prepare, self.usage)
         keeper = asyncio.get_running_loop().create_task(self.keep_lease(c))
         try:
             log.info("batch %s: carried by %s", bid, self.name)

@@ -59,11 +59,17 @@ class BatchRunner:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def run(self) -> None:
+        down = False  # say so once when Redis goes away, and once when it is back
         while True:
             try:
                 await self.scan()
+                if down:
+                    log.info("batch runner %s: Redis is back", self.name)
+                down = False
             except (redis.RedisError, OSError) as e:
-                log.warning("batch runner %s: Redis: %s", self.name, e)
+                if not down:
+                    log.warning("batch runner %s: Redis: %s (batches wait until it is back)", self.name, e)
+                down = True
             try:
                 await asyncio.wait_for(self._wake.wait(), SCAN_S)
             except asyncio.TimeoutError:

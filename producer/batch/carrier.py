@@ -45,10 +45,10 @@ CHUNK = 1000  # lines read per LRANGE while validating
 MAX_ERRORS = 100  # a failed batch lists at most this many bad lines
 READ_BLOCK_MS = 200
 READ_COUNT = 512
-# Result streams are read at most this often: each read then brings a few steps' tokens of every
+# Result streams are read at most this often: each read then brings a step or two' tokens of every
 # request at once. Reading as fast as entries arrive would spend a core (and Redis's time) on
 # reads of one entry each, taken from the worker, for answers nobody waits on to the millisecond.
-READ_INTERVAL_S = 0.05
+READ_INTERVAL_S = 0.02
 CANCEL_GRACE_S = 10.0  # cancelled requests get this long to end before they are written off
 ENDED = {"cancelled": ("batch_cancelled", "the batch was cancelled before this request completed"),
          "expired": ("batch_expired", "this request could not be executed before the completion window expired")}

@@ -45,7 +45,7 @@ CHUNK = 1000  # lines read per LRANGE while validating
 MAX_ERRORS = 100  # a failed batch lists at most this many bad lines
 READ_BLOCK_MS = 200
 READ_COUNT = 512
-# Result streams are read at most this often: each read then brings a step or two' tokens of every
+# Result streams are read at most this often: each read then brings a step or two of tokens of every
 # request at once. Reading as fast as entries arrive would spend a core (and Redis's time) on
 # reads of one entry each, taken from the worker, for answers nobody waits on to the millisecond.
 READ_INTERVAL_S = 0.02

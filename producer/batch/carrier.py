@@ -155,7 +155,10 @@ class Carrier:
                 await self.wind_down("expired")
                 return
             nxt = int(nxt)
-            if nxt < nlines and self.queued() < self.s.batch_feed_limit:
+            room = self.s.batch_feed_limit - self.queued()
+            # Refill in batches of an eighth of the bound (one LRANGE and one pipeline each), not a
+            # line at a time: the queue still holds at least 7/8 of the bound.
+            if nxt < nlines and room >= max(1, self.s.batch_feed_limit // 8):
                 nxt = await self.top_up(nxt, nlines)
             if not self.inflight and nxt >= nlines:
                 await self.transition(("in_progress",), "finalizing", "finalizing_at")

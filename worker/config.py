@@ -20,6 +20,7 @@ class EngineConfig:
     swap_pages: int | None = None  # host pool for swap preemption (None: as many as the device pool)
     device: str | None = None  # None: the model's device
     check_invariants: bool = True  # assert the scheduler's invariants after every schedule()
+    fast_path: bool = True  # merged, prepacked linears (worker/fastpath.py); eager where it cannot apply
 
     def __post_init__(self) -> None:
         if self.admission_policy not in ("optimistic", "reserve"):

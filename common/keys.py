@@ -82,6 +82,34 @@ class Keys:
         """A short lock: one worker at a time sweeps the unread entries for expired deadlines."""
         return f"{self.prefix}:sweep"
 
+    # Batch jobs (producer/batch): files, batch records and what a batch runner keeps per batch.
+    def file(self, file_id: str) -> str:
+        return f"{self.prefix}:file:{file_id}"
+
+    def file_lines(self, file_id: str) -> str:
+        return f"{self.prefix}:file:{file_id}:lines"
+
+    @property
+    def files(self) -> str:
+        return f"{self.prefix}:files"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def batch_inflight(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:inflight"
+
+    def batch_lease(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:lease"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}:batches"
+
+    @property
+    def batches_active(self) -> str:
+        return f"{self.prefix}:batches:active"
+
     def level_of_stream(self, stream: str) -> str | None:
         """The level a request stream key belongs to, or None for a key that is not one."""
         head = f"{self.prefix}:requests:"

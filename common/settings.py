@@ -63,6 +63,12 @@ class Settings:
     port: int = _f(8000, "gateway port")
     api_key: str = _f("", "require 'Authorization: Bearer <key>' on the gateway (empty: open)", secret=True)
     model_name: str = _f("tokenq", "model name the gateway reports in /v1/models and responses")
+    # Batch jobs (/v1/files, /v1/batches).
+    batch_feed_limit: int = _f(256, "most requests of one batch in the queue at once")
+    batch_max_file_bytes: int = _f(64 * 1024 * 1024, "largest file /v1/files accepts (bytes)")
+    batch_max_requests: int = _f(100_000, "most requests in one batch input file")
+    batch_ttl_s: int = _f(7 * 86400, "files and batch records expire this long after they are written")
+    batch_lease_s: float = _f(10.0, "a batch whose runner stops renewing its lease this long is taken over")
 
     @property
     def limits(self) -> Limits:

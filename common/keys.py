@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import dataclass
 
@@ -24,13 +25,22 @@ def priority_of(level: str | int) -> int:
 @dataclass(frozen=True)
 class Keys:
     prefix: str = DEFAULT_PREFIX
+    shards: int = 1  # request streams per level: shard 0 is requests:<level>, shard i requests:<level>:<i>
 
-    def requests(self, level: str) -> str:
-        return f"{self.prefix}:requests:{level}"
+    def requests(self, level: str, shard: int = 0) -> str:
+        return f"{self.prefix}:requests:{level}" if shard == 0 else f"{self.prefix}:requests:{level}:{shard}"
+
+    def level_streams(self, level: str) -> list[str]:
+        """Every shard of one level's request stream (on a cluster, each in its own slot)."""
+        return [self.requests(level, i) for i in range(self.shards)]
+
+    def submit_stream(self, level: str) -> str:
+        """The shard a producer sends one entry to: one at random (spreads ingest evenly)."""
+        return self.requests(level, random.randrange(self.shards) if self.shards > 1 else 0)
 
     @property
     def request_streams(self) -> list[str]:
-        return [self.requests(level) for level in LEVELS]
+        return [s for level in LEVELS for s in self.level_streams(level)]
 
     @property
     def group(self) -> str:
@@ -38,6 +48,9 @@ class Keys:
 
     def result(self, request_id: str) -> str:
         return f"{self.prefix}:result:{request_id}"
+
+    def fence(self, request_id: str) -> str:
+        return fence_key(self.result(request_id))
 
     @property
     def result_prefix(self) -> str:
@@ -69,12 +82,58 @@ class Keys:
         """A short lock: one worker at a time sweeps the unread entries for expired deadlines."""
         return f"{self.prefix}:sweep"
 
+    # Batch jobs (producer/batch): files, batch records and what a batch runner keeps per batch.
+    def file(self, file_id: str) -> str:
+        return f"{self.prefix}:file:{file_id}"
+
+    def file_lines(self, file_id: str) -> str:
+        return f"{self.prefix}:file:{file_id}:lines"
+
+    @property
+    def files(self) -> str:
+        return f"{self.prefix}:files"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def batch_inflight(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:inflight"
+
+    def batch_lease(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:lease"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}:batches"
+
+    @property
+    def batches_active(self) -> str:
+        return f"{self.prefix}:batches:active"
+
     def level_of_stream(self, stream: str) -> str | None:
         """The level a request stream key belongs to, or None for a key that is not one."""
         head = f"{self.prefix}:requests:"
-        if stream.startswith(head) and stream[len(head):] in PRIORITIES:
-            return stream[len(head):]
+        if not stream.startswith(head):
+            return None
+        level, _, shard = stream[len(head):].partition(":")
+        if level in PRIORITIES and (not shard or (shard.isdigit() and 0 < int(shard) < self.shards)):
+            return level
         return None
+
+
+def hash_tag(key: str) -> str | None:
+    """The part of ``key`` Redis Cluster hashes when it is not the whole key: the text between
+    the first ``{`` and the first ``}`` after it, if not empty (None otherwise)."""
+    start = key.find("{")
+    end = key.find("}", start + 1) if start >= 0 else -1
+    return key[start + 1:end] if end > start + 1 else None
+
+
+def fence_key(result_key: str) -> str:
+    """The fence of a result stream, in the stream's own cluster slot without renaming it: the
+    whole result key as the hash tag (ids hold no braces), or the key's own tag if it has one.
+    """
+    return f"{result_key}:fence" if hash_tag(result_key) is not None else f"{{{result_key}}}:fence"
 
 
 def _glob_escape(text: str) -> str:

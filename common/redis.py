@@ -2,21 +2,104 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
+import redis.asyncio.cluster
+import redis.cluster
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError)
+# redis-py's cluster client follows MOVED/ASK itself and, on a dead node or CLUSTERDOWN,
+# refreshes its slot map and retries, but at once: its retries are spent before a replica
+# is promoted (node_timeout plus an election, seconds). So each command is retried with a
+# backoff for up to FAILOVER_WINDOW_S.
+FAILOVER_WINDOW_S = 20.0
+CLUSTER_RETRIES = 3
+CLUSTER_BACKOFF = dict(cap=1.0, base=0.1)
+CLUSTER_OPTS = ("socket_timeout", "socket_connect_timeout", "socket_keepalive", "health_check_interval")
+_CLUSTER_RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
+                      redis.exceptions.TryAgainError, redis.exceptions.SlotNotCoveredError)
+
+
+class _Backoff:
+    """Waits between tries of one command until FAILOVER_WINDOW_S has passed (then re-raise)."""
+
+    def __init__(self) -> None:
+        self.until = time.monotonic() + FAILOVER_WINDOW_S
+        self.wait = CLUSTER_BACKOFF["base"]
+
+    def next(self, e: Exception) -> float:
+        if time.monotonic() + self.wait > self.until:
+            raise e
+        w, self.wait = self.wait, min(self.wait * 2, CLUSTER_BACKOFF["cap"])
+        return w
+
+
+class Cluster(redis.cluster.RedisCluster):
+    """A RedisCluster that rides through a failover (see FAILOVER_WINDOW_S)."""
+
+    def execute_command(self, *args, **kwargs):
+        backoff = _Backoff()
+        while True:
+            try:
+                return super().execute_command(*args, **kwargs)
+            except _CLUSTER_RETRYABLE as e:
+                time.sleep(backoff.next(e))
+
+
+class AsyncCluster(redis.asyncio.cluster.RedisCluster):
+    """The asyncio twin of :class:`Cluster`."""
+
+    async def execute_command(self, *args, **kwargs):
+        backoff = _Backoff()
+        while True:
+            try:
+                return await super().execute_command(*args, **kwargs)
+            except _CLUSTER_RETRYABLE as e:
+                await asyncio.sleep(backoff.next(e))
+
+
+def is_cluster_url(url: str, timeout: float = 5.0) -> bool:
+    """Whether the server at ``url`` runs in cluster mode (INFO cluster: ``cluster_enabled:1``).
+
+    A server that cannot be reached counts as a single Redis (the caller's client retries
+    and connects later, as it always has)."""
+    try:
+        probe = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+        try:
+            return str(probe.info("cluster").get("cluster_enabled", 0)) == "1"
+        finally:
+            probe.close()
+    except (redis.RedisError, OSError):
+        return False
+
+
+def is_cluster(r) -> bool:
+    """Whether ``r`` (a client or a pipeline, sync or asyncio) talks to a Redis Cluster."""
+    return isinstance(r, (redis.cluster.RedisCluster, redis.asyncio.cluster.RedisCluster,
+                          redis.asyncio.cluster.ClusterPipeline))
+
+
+def _cluster_opts(kwargs: dict) -> dict:
+    opts = {k: v for k, v in kwargs.items() if k in CLUSTER_OPTS}
+    opts.setdefault("socket_connect_timeout", 5)
+    opts["retry"] = Retry(ExponentialBackoff(**CLUSTER_BACKOFF), CLUSTER_RETRIES)
+    return opts
 
 
 def connect(url: str, **kwargs) -> redis.Redis:
-    """A client for ``url`` (redis://, rediss://, with user:password@ when AUTH is on).
+    """A client for ``url`` (redis://, rediss://, with user:password@ when AUTH is on): a
+    ``RedisCluster`` when the server is a cluster node (any node's URL will do), else a Redis.
 
     Replies stay bytes: prompts may be binary (msgpack) and ids are decoded where needed.
     """
+    if is_cluster_url(url):
+        return Cluster.from_url(url, **_cluster_opts(kwargs))
     opts = dict(
         socket_connect_timeout=5,
         socket_keepalive=True,
@@ -41,6 +124,9 @@ def redact_url(url: str) -> str:
 
 
 def connect_async(url: str, **kwargs) -> redis.asyncio.Redis:
+    """The asyncio twin of :func:`connect` (the cluster check itself is one short sync call)."""
+    if is_cluster_url(url):
+        return AsyncCluster.from_url(url, **_cluster_opts(kwargs))
     opts = dict(socket_connect_timeout=5, socket_keepalive=True, health_check_interval=15)
     opts.update(kwargs)
     return redis.asyncio.Redis.from_url(url, **opts)

@@ -45,6 +45,8 @@ class Settings:
     max_attempts: int = _f(3, "deliveries before an entry goes to the dead-letter stream")
     result_ttl_s: int = _f(3600, "result streams expire this long after their last entry")
     result_maxlen: int = _f(100_000, "cap on entries per result stream")
+    request_shards: int = _f(1, "request streams per priority level (producers and workers must agree; more spread ingest over a cluster's masters)")
+    replica_wait_ms: int = _f(0, "Redis Cluster: before a request entry is acknowledged, WAIT up to this long for a replica to hold its final entry (0: off)")
     heartbeat_s: float = _f(2.0, "heartbeat and refresh interval")
     grace_s: float = _f(30.0, "on SIGTERM, let running requests finish for this long")
     aging_s: float = _f(10.0, "no starvation: a low entry waiting this long in Redis ranks (and runs) with normal work (0: strict levels)")
@@ -61,6 +63,12 @@ class Settings:
     port: int = _f(8000, "gateway port")
     api_key: str = _f("", "require 'Authorization: Bearer <key>' on the gateway (empty: open)", secret=True)
     model_name: str = _f("tokenq", "model name the gateway reports in /v1/models and responses")
+    # Batch jobs (/v1/files, /v1/batches).
+    batch_feed_limit: int = _f(256, "most requests of one batch in the queue at once")
+    batch_max_file_bytes: int = _f(64 * 1024 * 1024, "largest file /v1/files accepts (bytes)")
+    batch_max_requests: int = _f(100_000, "most requests in one batch input file")
+    batch_ttl_s: int = _f(7 * 86400, "files and batch records expire this long after they are written")
+    batch_lease_s: float = _f(10.0, "a batch whose runner stops renewing its lease this long is taken over")
 
     @property
     def limits(self) -> Limits:

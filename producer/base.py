@@ -113,7 +113,7 @@ class ClientBase:
         s = Settings.from_env(redis_url=redis_url, prefix=prefix)
         self.redis_url = s.redis_url
         self.prefix = s.prefix
-        self.keys = Keys(s.prefix)
+        self.keys = Keys(s.prefix, s.request_shards)
         self.limits = limits or s.limits
         self._own = redis_client is None
         self.redis = redis_client if redis_client is not None else connect(s.redis_url)

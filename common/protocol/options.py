@@ -86,7 +86,7 @@ def build_request(*, keys: Keys, limits: Limits, prompt: str | None = None,
         parse_request(fields, entry_id="0-1", level=level, keys=keys, limits=limits)
     except ValueError as e:
         raise ValueError(getattr(e, "message", str(e))) from None
-    return rid, keys.requests(level), fields
+    return rid, keys.submit_stream(level), fields
 
 
 def _level(priority: str | int) -> str:

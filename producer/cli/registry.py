@@ -38,7 +38,7 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {}
-PLUGIN_MODULES = ("producer.bench",)  # imported when present; they call command(...)
+PLUGIN_MODULES = ("producer.bench", "producer.batch.cli")  # imported when present; they call command(...)
 ENTRY_POINT_GROUP = "tokenq.commands"  # entry points naming a module (or a callable taking no arguments)
 
 

@@ -13,7 +13,8 @@ from producer.cli.registry import EXIT_OK, UsageError, command, connect_checked,
 
 
 def _gateway_args(p: argparse.ArgumentParser) -> None:
-    Settings.add_arguments(p, ["host", "port", "api_key", "model_name"])
+    Settings.add_arguments(p, ["host", "port", "api_key", "model_name", "batch_feed_limit", "batch_max_file_bytes",
+                               "batch_max_requests", "batch_ttl_s", "batch_lease_s"])
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 

@@ -121,7 +121,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     kw = _request(args)
     s = settings_of(args)
     try:  # before touching Redis: bad input is a usage error even when Redis is down
-        build_request(keys=Keys(s.prefix), limits=s.limits, **kw)
+        build_request(keys=Keys(s.prefix, s.request_shards), limits=s.limits, **kw)
     except ValueError as e:
         raise UsageError(str(e)) from None
     r = connect_checked(s)

@@ -9,13 +9,14 @@ from fastapi import APIRouter, FastAPI
 
 from common.settings import Settings
 from producer.aio import AsyncClient
+from producer.batch import routes as batch
 from producer.gateway import errors, health, openai
 from producer.gateway.metrics import MetricsMiddleware
 from producer.gateway.state import Gateway
 
 # The routers every app serves; another part adds its own with ``create_app(routers=...)`` or
 # by appending here before the app is made.
-ROUTERS: list[APIRouter] = [openai.router, health.router]
+ROUTERS: list[APIRouter] = [openai.router, health.router, batch.router]  # batch: /v1/files, /v1/batches
 
 
 def create_app(settings: Settings | None = None, *, client: AsyncClient | None = None,

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from common.errors import INVALID_REQUEST, ProtocolError
-from common.keys import LEVELS, PRIORITIES
+from common.keys import LEVELS, PRIORITIES, fence_key
 from common.protocol import Request, parse_request
 from worker.service import answers, recovery
 from worker.service.answers import BadEntry
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tokenq.service")
 NORMAL = PRIORITIES["normal"]
+CLUSTER_POLL_S = 0.05  # how often an idle worker on a cluster looks for new entries
 
 
 def pull(svc: Service) -> None:
@@ -36,9 +37,28 @@ def pull(svc: Service) -> None:
     """
     if _pull_levels(svc) == 0 and not svc.engine.has_unfinished() and not svc.outbox:
         block_ms = int(min(svc.s.heartbeat_s, 1.0) * 1000)
+        if svc.scripts.cluster:
+            _wait_cluster(svc, block_ms)
+            return
         reply = svc.r.xreadgroup(svc.keys.group, svc.name, {s: ">" for s in svc.keys.request_streams}, count=1,
                                  block=block_ms)
         take(svc, reply)
+
+
+def _wait_cluster(svc: Service, block_ms: int) -> None:
+    """Idle on a cluster: the streams live in different slots, so one XREADGROUP cannot block
+    on them all; poll them (one round trip per node) every CLUSTER_POLL_S until one has work."""
+    until = time.monotonic() + block_ms / 1000
+    while True:
+        pipe = svc.r.pipeline(transaction=False)
+        for stream in svc.keys.request_streams:
+            pipe.xreadgroup(svc.keys.group, svc.name, {stream: ">"}, count=1)
+        replies = pipe.execute()
+        for reply in replies:
+            take(svc, reply)
+        if any(replies) or time.monotonic() >= until:
+            return
+        time.sleep(CLUSTER_POLL_S)
 
 
 def _room(svc: Service, prio: int, waiting: set[int], running: list[int]) -> int:
@@ -66,10 +86,23 @@ def _pull_levels(svc: Service) -> int:
             plan = _aging_plan(svc, n)
             for stream, count in plan.items():
                 taken += _read(svc, stream, count)
-            if plan.get(svc.keys.requests("low")):
+            if any(plan.get(s) for s in svc.keys.level_streams("low")):
                 return taken  # the low stream had its turn in this pass
             continue
-        taken += _read(svc, svc.keys.requests(level), n)
+        taken += _read_level(svc, level, n)
+    return taken
+
+
+def _read_level(svc: Service, level: str, n: int) -> int:
+    """Up to ``n`` entries of one level, over its shards in turn: each pass starts one shard
+    further on, so no shard waits behind another."""
+    streams = svc.keys.level_streams(level)
+    start = svc.shard_turn = (svc.shard_turn + 1) % len(streams)
+    taken = 0
+    for stream in streams[start:] + streams[:start]:
+        if taken >= n:
+            break
+        taken += _read(svc, stream, n - taken)
     return taken
 
 
@@ -84,12 +117,13 @@ def _read(svc: Service, stream: str, count: int) -> int:
 def _aging_plan(svc: Service, n: int) -> dict[str, int]:
     """How many of the next ``n`` pulls go to ``normal`` and to ``low``, by virtual arrival
     time (entry time + aging_s per level below normal), oldest first."""
-    streams = [svc.keys.requests(level) for level in LEVELS[NORMAL:]]
-    unread = svc.scripts.unread(svc.r, streams, group=svc.keys.group, count=n)
-    ranked = sorted((entry_time(entry_id) + i * svc.s.aging_s, i) for i, ids in enumerate(unread) for entry_id in ids)
-    plan = dict.fromkeys(streams, 0)
+    streams = [(s, rank) for rank, level in enumerate(LEVELS[NORMAL:]) for s in svc.keys.level_streams(level)]
+    unread = svc.scripts.unread(svc.r, [s for s, _ in streams], group=svc.keys.group, count=n)
+    ranked = sorted((entry_time(entry_id) + streams[i][1] * svc.s.aging_s, i) for i, ids in enumerate(unread)
+                    for entry_id in ids)
+    plan = dict.fromkeys((s for s, _ in streams), 0)
     for _, i in ranked[:n]:
-        plan[streams[i]] += 1
+        plan[streams[i][0]] += 1
     return plan
 
 
@@ -129,6 +163,8 @@ def accept(svc: Service, stream: str, entry_id: str, fields: dict, resume: bool)
         if why:
             answers.answer_bad(svc, BadEntry(stream, entry_id, req.id, None, INVALID_REQUEST, why))
         return
+    if svc.scripts.cluster and not _fence(svc, f, resume):
+        return
     if req.id in svc.control.cancelled:
         svc.inflight[req.id] = f
         answers.finish(svc, f, "cancelled", 0, 0, None, None)
@@ -154,6 +190,16 @@ def _refusal(svc: Service, f: InFlight, resume: bool) -> str | None:
         # write a second output and a second final entry into the first one's result stream.
         return f"request id {rid!r} is already in use (its result stream exists): send a new id"
     return None
+
+
+def _fence(svc: Service, f: InFlight, resume: bool) -> bool:
+    """On a cluster: make this worker the owner of the request's fence (a claim or resume
+    always; a first take only if nobody owns it), before anything of it is read or written."""
+    ok = svc.scripts.fence_take(svc.r, fence=fence_key(f.req.reply_to), reply_to=f.req.reply_to, owner=svc.name,
+                                claim=resume, ttl_s=svc.s.result_ttl_s)
+    if not ok:
+        log.warning("event=lost_entry id=%s entry=%s why='its fence names another worker'", f.req.id, f.entry_id)
+    return bool(ok)
 
 
 def _seed(req: Request, stream: str, entry_id: str) -> None:

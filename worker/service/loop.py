@@ -50,12 +50,13 @@ class Service:
         self.engine = engine
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self.s = settings
-        self.keys = Keys(settings.prefix)
+        self.keys = Keys(settings.prefix, settings.request_shards)
         self.name = settings.name or f"{socket.gethostname()}-{os.getpid()}"
         self.model_name, self.device = model_name, device
         self.r = connect(settings.redis_url, socket_timeout=max(5.0, settings.heartbeat_s * 2))
         self.scripts = Scripts(self.r)
-        self.wire = Wire(self.scripts, self.keys, self.name, settings.result_maxlen, settings.result_ttl_s)
+        self.wire = Wire(self.scripts, self.keys, self.name, settings.result_maxlen, settings.result_ttl_s,
+                         settings.replica_wait_ms)
         self.conn = Connection()
         self.inflight: dict[str, InFlight] = {}
         self.outbox = Outbox()
@@ -65,6 +66,7 @@ class Service:
         self.stop_deadline = 0.0
         self.due: dict[str, float] = dict.fromkeys(("heartbeat", "claim", "unknown", "expiry"), 0.0)
         self.expiry_cursor: dict[str, str] = {}  # per stream: where the next sweep of unread entries starts
+        self.shard_turn = 0  # the request shard each level's next read starts at
         self.avg_request_tokens = 256.0  # running estimate used to size pulls
         self.started = time.time()
         self.counts = {"served": 0, "errors": 0, "claimed": 0, "dead": 0}

@@ -8,13 +8,14 @@ request dropped (another worker owns it now) takes its own pending writes out of
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
-from common.keys import Keys
+from common.keys import Keys, fence_key
 from common.protocol.entries import DEAD_MAXLEN
 from worker.service.scripts import Scripts
 
@@ -30,6 +31,7 @@ class Wire:
     consumer: str
     maxlen: int
     ttl_s: int
+    replica_wait_ms: int = 0  # on a cluster: WAIT for a replica between final entries and their acks
 
 
 @dataclass
@@ -58,8 +60,13 @@ class PublishTokens:
     entries: list[tuple[str, dict[str, str]]] = field(default_factory=list)
 
     def queue(self, pipe: Any, w: Wire) -> int:
-        w.scripts.publish_tokens(pipe, self.entries, maxlen=w.maxlen, ttl_s=w.ttl_s)
-        return 1
+        if not w.scripts.cluster:
+            w.scripts.publish_tokens(pipe, self.entries, maxlen=w.maxlen, ttl_s=w.ttl_s)
+            return 1
+        for key, entry in self.entries:  # one call per result stream (its slot), fenced
+            w.scripts.fenced_tokens(pipe, reply_to=key, fence=fence_key(key), owner=w.consumer, seq=int(entry["seq"]),
+                                    n_ids=len(json.loads(entry["ids"])), maxlen=w.maxlen, ttl_s=w.ttl_s, entry=entry)
+        return len(self.entries)
 
     def without(self, key: str) -> PublishTokens | None:
         kept = [(k, e) for k, e in self.entries if k != key]
@@ -69,6 +76,10 @@ class PublishTokens:
 
     def report(self, results: list[Any]) -> None:
         _report_errors("publish_tokens", self.entries[0][0], results)
+        for (key, entry), res in zip(self.entries, results if len(results) == len(self.entries) else []):
+            if res == 3:
+                log.error("event=result_gap key=%s seq=%s reason='earlier token entries lost (failover)'", key,
+                          entry["seq"])
 
 
 @dataclass
@@ -81,6 +92,10 @@ class Finalize:
     entry: dict[str, str]
 
     def queue(self, pipe: Any, w: Wire) -> int:
+        if w.scripts.cluster:  # the result stream's half; the XACK + XDEL follow (then())
+            w.scripts.fenced_final(pipe, reply_to=self.reply_to, fence=fence_key(self.reply_to), owner=w.consumer,
+                                   maxlen=w.maxlen, ttl_s=w.ttl_s, entry=self.entry)
+            return 1
         w.scripts.finalize(pipe, stream=self.stream, entry_id=self.entry_id, reply_to=self.reply_to,
                            group=w.keys.group, consumer=w.consumer, maxlen=w.maxlen, ttl_s=w.ttl_s, entry=self.entry)
         return 1
@@ -93,6 +108,11 @@ class Finalize:
             log.warning("event=final_skipped entry=%s key=%s reason='entry owned by another worker or already answered'",
                         self.entry_id, self.reply_to)
         _report_errors("finalize", self.reply_to, results)
+
+    def then(self, results: list[Any]) -> Op | None:
+        """On a cluster: the request entry's XACK + XDEL, once the final entry is out (1: now,
+        2: by us before, e.g. a flush re-sent after its reply was lost)."""
+        return Ack(self.stream, self.entry_id) if results[0] in (1, 2) else None
 
 
 @dataclass
@@ -159,18 +179,41 @@ class Outbox:
     def flush(self, r: redis.Redis, w: Wire) -> None:
         """Write everything as one transaction. Raises (and keeps every operation) when Redis is
         down or refuses the whole transaction (e.g. OOM); a single refused command is logged."""
-        if not self.ops:
-            return
+        while self.ops:
+            self.ops = self._flush_once(r, w)
+
+    def _flush_once(self, r: redis.Redis, w: Wire) -> list[Op]:
+        """One round trip (one per node on a cluster, where it is no transaction); the
+        operations that must follow it (a cluster's acks after their final entries)."""
         ops = self.ops
-        pipe = r.pipeline(transaction=True)
+        cluster = w.scripts.cluster
+        pipe = r.pipeline(transaction=not cluster)
         counts = [op.queue(pipe, w) for op in ops]
         try:
             results = pipe.execute(raise_on_error=False)
         except redis.ResponseError as e:
             log.warning("event=publish_failed ops=%d error=%r", len(ops), e)
             raise
-        self.ops = []
-        at = 0
+        at, after, finals = 0, [], []
         for op, n in zip(ops, counts):
             op.report(results[at:at + n])
+            if cluster and isinstance(op, Finalize) and (nxt := op.then(results[at:at + n])) is not None:
+                after.append(nxt)
+                finals.append(op.reply_to)
             at += n
+        if finals and w.replica_wait_ms > 0:
+            wait_replicas(r, finals, w.replica_wait_ms)
+        return after
+
+
+def wait_replicas(r: Any, keys: list[str], timeout_ms: int) -> None:
+    """WAIT 1 on the node of each key, so a failover cannot lose a final entry whose request
+    entry is then acknowledged (the request would be gone unanswered).
+
+    WAIT covers the writes of the connection it runs on: the worker is one thread, and each
+    node's pool hands back its last connection (LIFO), the one the pipeline wrote on."""
+    nodes = {r.get_node_from_key(k).name: r.get_node_from_key(k) for k in keys}
+    for node in nodes.values():
+        got = r.execute_command("WAIT", 1, timeout_ms, target_nodes=node)
+        if not got:
+            log.warning("event=replica_wait_timeout node=%s timeout_ms=%d", node.name, timeout_ms)

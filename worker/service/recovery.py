@@ -14,7 +14,6 @@ import logging
 from typing import TYPE_CHECKING
 
 from common.errors import INTERNAL
-from common.keys import LEVELS
 from common.protocol import decode_result, reply_key_for
 from common.redis import xautoclaim_entries
 from worker.service import answers, intake
@@ -74,11 +73,10 @@ def claim(svc: Service) -> None:
     """Take over entries idle past claim_idle_s (their worker died), most urgent level first;
     one delivered more than ``max_attempts`` times is dead-lettered instead."""
     idle_ms = int(svc.s.claim_idle_s * 1000)
-    for level in LEVELS:
+    for stream in svc.keys.request_streams:  # most urgent level first, every shard
         n = min(svc.engine.budget().free_seqs, MAX_CLAIM)
         if n <= 0:
             return
-        stream = svc.keys.requests(level)
         _, entries = xautoclaim_entries(svc.r.xautoclaim(stream, svc.keys.group, svc.name, idle_ms, "0-0", count=n))
         for entry_id, fields in entries:
             entry_id = text(entry_id)

@@ -9,23 +9,32 @@ from typing import Any
 
 import redis
 
+from common.redis import is_cluster
+
+_HAS_FINAL = """
+local function has_final(key)
+  for _, e in ipairs(redis.call('XRANGE', key, '-', '+')) do
+    local f = e[2]
+    for i = 1, #f, 2 do
+      if f[i] == 'type' and (f[i + 1] == 'done' or f[i + 1] == 'error') then return true end
+    end
+  end
+  return false
+end
+"""
+
 # Publish a request's final entry, XACK and XDEL its request entry, only while this worker
 # still owns the entry, or when nobody does and the result stream has no final entry yet
 # (Redis lost the entry: the request still gets its answer). A worker frozen past
 # claim_idle_s whose entry another worker claimed (and may have finished) publishes no
 # second final entry; nor does a transaction re-sent after its reply was lost.
 # KEYS: request stream, result stream. ARGV: group, entry id, consumer, maxlen, ttl, fields...
-FINALIZE = """
+FINALIZE = _HAS_FINAL + """
 local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if ok and p[1] then
   if p[1][2] ~= ARGV[3] then return 0 end
 else
-  for _, e in ipairs(redis.call('XRANGE', KEYS[2], '-', '+')) do
-    local f = e[2]
-    for i = 1, #f, 2 do
-      if f[i] == 'type' and (f[i + 1] == 'done' or f[i + 1] == 'error') then return 0 end
-    end
-  end
+  if has_final(KEYS[2]) then return 0 end
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 6))
 redis.call('EXPIRE', KEYS[2], ARGV[5])
@@ -132,6 +141,82 @@ end
 return done
 """
 
+# --- The fence (Redis Cluster, where a request stream and a result stream live in different
+# slots and no script may touch both). The fence key sits in the result stream's slot
+# (common.keys.fence_key) and holds the owner (the consumer that took or claimed the entry
+# last), ``next`` (the seq the next token entry must reach) and ``done``. A worker sets it
+# when it takes an entry (only if nobody did) or claims one (always, before it reads what
+# was published); every token and final entry is written only while the fence names its
+# writer. The XACK + XDEL of the request entry follow as a second step, after the final
+# entry is out: a crash in between leaves a pending entry whose result is final, which the
+# claimer acknowledges without running it (docs/protocol.md, "Redis Cluster").
+
+# KEYS: fence, result stream. ARGV: owner, 'claim' or 'take', ttl. 1: ours now, 0: someone
+# else's (a take refused).
+FENCE_TAKE = """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if ARGV[2] == 'take' and owner and owner ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# KEYS: result stream, fence. ARGV: owner, seq, number of ids, maxlen, ttl, fields...
+# 1 written; 0 refused (another owner, finished, or a seq already written: a re-sent flush);
+# 3 written after a gap: the fence (replicated with the stream, in the same script) says
+# entries before this seq were lost, e.g. by a failover to a replica that lagged. No fence
+# at all (lost the same way): adopted, as a claim would.
+FENCED_TOKENS = """
+local f = redis.call('HMGET', KEYS[2], 'owner', 'next', 'done')
+if not f[1] then
+  redis.call('HSET', KEYS[2], 'owner', ARGV[1])
+elseif f[1] ~= ARGV[1] or f[3] then
+  return 0
+end
+local seq = tonumber(ARGV[2])
+local nxt = tonumber(f[2] or '0')
+if seq < nxt then return 0 end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 6))
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+redis.call('HSET', KEYS[2], 'next', seq + tonumber(ARGV[3]))
+redis.call('EXPIRE', KEYS[2], ARGV[5])
+if seq > nxt then return 3 end
+return 1
+"""
+
+# KEYS: result stream, fence. ARGV: owner, maxlen, ttl, fields... 1 written; 2 written
+# before by this owner (ack again); 0 refused (another owner, or a final exists already).
+# No fence (Redis lost it, or an entry answered unread): written if no final is there yet.
+FENCED_FINAL = _HAS_FINAL + """
+local f = redis.call('HMGET', KEYS[2], 'owner', 'done')
+if f[1] then
+  if f[1] ~= ARGV[1] then return 0 end
+  if f[2] then return 2 end
+else
+  if has_final(KEYS[1]) then return 0 end
+end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('HSET', KEYS[2], 'done', 1)
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+
+# XDEL each entry no worker has read yet; the ids deleted (the cluster half of EXPIRE_UNREAD).
+# KEYS: request stream. ARGV: group, entry ids...
+DELETE_UNREAD = _LAST_DELIVERED + """
+local last = last_delivered(KEYS[1], ARGV[1])
+if not last then return {} end
+local lm, ls = string.match(last, '^(%d+)-(%d+)$')
+local done = {}
+for i = 2, #ARGV do
+  local m, q = string.match(ARGV[i], '^(%d+)-(%d+)$')
+  local later = m and (#m > #lm or (#m == #lm and (m > lm or (m == lm and tonumber(q) > tonumber(ls)))))
+  if later and redis.call('XDEL', KEYS[1], ARGV[i]) == 1 then done[#done + 1] = ARGV[i] end
+end
+return done
+"""
+
 Client = Any  # a redis.Redis or a pipeline of one
 
 
@@ -149,11 +234,36 @@ class Scripts:
     (on a pipeline: the pipeline; the answer comes with ``execute()``)."""
 
     def __init__(self, r: redis.Redis):
-        self._finalize = r.register_script(FINALIZE)
-        self._publish_tokens = r.register_script(PUBLISH_TOKENS)
-        self._touch = r.register_script(TOUCH)
-        self._unread = r.register_script(UNREAD)
-        self._expire_unread = r.register_script(EXPIRE_UNREAD)
+        self.cluster = is_cluster(r)
+        run = _Eval if self.cluster else r.register_script
+        self._finalize = run(FINALIZE)
+        self._publish_tokens = run(PUBLISH_TOKENS)
+        self._touch = run(TOUCH)
+        self._unread = run(UNREAD)
+        self._expire_unread = run(EXPIRE_UNREAD)
+        self._fence_take = run(FENCE_TAKE)
+        self._fenced_tokens = run(FENCED_TOKENS)
+        self._fenced_final = run(FENCED_FINAL)
+        self._delete_unread = run(DELETE_UNREAD)
+
+    def fence_take(self, c: Client, *, fence: str, reply_to: str, owner: str, claim: bool, ttl_s: int) -> Any:
+        """Make ``owner`` the fence's owner (``claim``: always; else only if nobody is); 1 or 0."""
+        return self._fence_take(keys=[fence, reply_to], args=[owner, "claim" if claim else "take", ttl_s], client=c)
+
+    def fenced_tokens(self, c: Client, *, reply_to: str, fence: str, owner: str, seq: int, n_ids: int, maxlen: int,
+                      ttl_s: int, entry: dict[str, str]) -> Any:
+        """One token entry, only while ``owner`` holds the fence and ``seq`` is new; 1 or 0."""
+        return self._fenced_tokens(keys=[reply_to, fence], args=[owner, seq, n_ids, maxlen, ttl_s, *_flat(entry)],
+                                   client=c)
+
+    def fenced_final(self, c: Client, *, reply_to: str, fence: str, owner: str, maxlen: int, ttl_s: int,
+                     entry: dict[str, str]) -> Any:
+        """The final entry, only while ``owner`` holds the fence; 1 written, 2 written before, 0 refused."""
+        return self._fenced_final(keys=[reply_to, fence], args=[owner, maxlen, ttl_s, *_flat(entry)], client=c)
+
+    def delete_unread(self, c: Client, stream: str, entry_ids: list[str], *, group: str) -> list[str]:
+        """XDEL those of ``entry_ids`` no worker has read yet; the ids deleted."""
+        return [_s(i) for i in self._delete_unread(keys=[stream], args=[group, *entry_ids], client=c) or []]
 
     def finalize(self, c: Client, *, stream: str, entry_id: str, reply_to: str, group: str, consumer: str,
                  maxlen: int, ttl_s: int, entry: dict[str, str]) -> Any:
@@ -176,9 +286,12 @@ class Scripts:
                            client=c)
 
     def unread(self, c: Client, streams: list[str], *, group: str, count: int) -> list[list[str]]:
-        """Per stream, the ids of its first ``count`` entries no worker has read yet."""
-        reply = self._unread(keys=streams, args=[group, count], client=c)
-        return [[_s(i) for i in ids] for ids in reply or []]
+        """Per stream, the ids of its first ``count`` entries no worker has read yet (one call
+        per stream, so each touches one slot; one round trip per node)."""
+        pipe = c.pipeline(transaction=False)
+        for stream in streams:
+            self._unread(keys=[stream], args=[group, count], client=pipe)
+        return [[_s(i) for i in reply[0]] if reply else [] for reply in pipe.execute()]
 
     def expire_unread(self, c: Client, stream: str, finals: list[tuple[str, str, dict[str, str]]], *, group: str,
                       maxlen: int, ttl_s: int) -> list[str]:
@@ -189,6 +302,17 @@ class Scripts:
             args += [entry_id, len(flat), *flat]
         done = self._expire_unread(keys=[stream, *[k for _, k, _ in finals]], args=args, client=c)
         return [_s(i) for i in done or []]
+
+
+class _Eval:
+    """A script sent whole (EVAL) each call: on a cluster, a node promoted by a failover has
+    none of the scripts loaded, and redis-py's cluster pipeline does not reload them."""
+
+    def __init__(self, script: str):
+        self.script = script
+
+    def __call__(self, keys: list[str], args: list[Any], client: Client) -> Any:
+        return client.execute_command("EVAL", self.script, len(keys), *keys, *args)
 
 
 def touched(reply: Any) -> tuple[set[str], set[str]]:

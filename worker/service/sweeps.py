@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from common.errors import INVALID_REQUEST, ProtocolError
+from common.keys import fence_key
 from common.protocol import done_entry, parse_request, reply_key_for
 from worker.service import answers
 from worker.service.answers import BadEntry
@@ -60,10 +61,29 @@ def expire_unread(svc: Service) -> None:
             if final is not None:
                 finals.append((entry_id, *final))
         if finals:
-            for entry_id in svc.scripts.expire_unread(svc.r, stream, finals, group=svc.keys.group,
-                                                      maxlen=svc.s.result_maxlen, ttl_s=svc.s.result_ttl_s):
+            for entry_id in _answer_unread(svc, stream, finals):
                 svc.counts["served"] += 1
                 log.info("event=expired_unread stream=%s entry=%s", stream, entry_id)
+
+
+def _answer_unread(svc: Service, stream: str, finals: list[tuple[str, str, dict[str, str]]]) -> list[str]:
+    """Delete the entries still unread and publish their final entries; the ids answered.
+
+    On a cluster the request and result streams are in different slots: the XDEL comes
+    first (whoever deletes an entry answers it; a worker can no longer read it), then each
+    final entry in its result stream's slot, unless one is there already (a reused id).
+    """
+    s = svc.s
+    if not svc.scripts.cluster:
+        return svc.scripts.expire_unread(svc.r, stream, finals, group=svc.keys.group, maxlen=s.result_maxlen,
+                                         ttl_s=s.result_ttl_s)
+    deleted = set(svc.scripts.delete_unread(svc.r, stream, [i for i, _, _ in finals], group=svc.keys.group))
+    todo = [(i, key, entry) for i, key, entry in finals if i in deleted]
+    pipe = svc.r.pipeline(transaction=False)
+    for _, key, entry in todo:
+        svc.scripts.fenced_final(pipe, reply_to=key, fence=fence_key(key), owner="", maxlen=s.result_maxlen,
+                                 ttl_s=s.result_ttl_s, entry=entry)
+    return [i for (i, _, _), res in zip(todo, pipe.execute() if todo else []) if res == 1]
 
 
 def _unread_batch(svc: Service, stream: str) -> list | None:

@@ -24,6 +24,7 @@ from common.keys import Keys, priority_of
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
 ROLES = ("system", "user", "assistant", "tool", "developer")
 FINISH_REASONS = ("stop", "length", "cancelled", "timeout")
+MAX_SALT_CHARS = 256
 
 
 @dataclass
@@ -38,6 +39,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    cache_salt: str | None = None  # requests share cached prompt pages only with requests of the same salt
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +54,8 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be integers >= 0")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_SALT_CHARS),
+               "cache_salt", f"must be a string of 1 to {MAX_SALT_CHARS} characters")
 
     @property
     def greedy(self) -> bool:
@@ -354,6 +358,8 @@ def parse_request(
             p["stop_token_ids"] = _token_ids("stop_token_ids", f["stop_token_ids"], limits.max_stop)
         if "ignore_eos" in f:
             p["ignore_eos"] = _bool("ignore_eos", f["ignore_eos"])
+        if "cache_salt" in f:
+            p["cache_salt"] = _text("cache_salt", f["cache_salt"])
         if "max_tokens" not in p and SamplingParams.max_tokens > limits.max_tokens:
             p["max_tokens"] = limits.max_tokens  # the default, within a lower cap
         req.params = SamplingParams(**p)

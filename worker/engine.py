@@ -50,6 +50,7 @@ class RequestOutput:
     error: tuple[str, str] | None = None  # (code, message) when finish_reason == "error"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed) when it was admitted
     metrics: RequestMetrics | None = None  # set on the final output
 
 
@@ -66,6 +67,12 @@ class EngineStats:
     last_step_s: float = 0.0
     last_batch_tokens: int = 0
     admissions: dict[str, int] = field(default_factory=dict)
+    prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -224,6 +231,7 @@ class Engine:
             logits, sampled = self.runner.execute(out)
             for s in out.scheduled:
                 s.seq.num_computed = s.start + s.num_tokens
+                self.scheduler.commit(s.seq)
                 if s.num_tokens > 1 or s.start < s.seq.num_prompt_tokens:
                     st.num_prompt_tokens += s.num_tokens
             tokens = sampler.sample(logits, [s.seq for s in sampled]) if sampled else []
@@ -270,6 +278,7 @@ class Engine:
             error=seq.error,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
+            cached_tokens=seq.cached_tokens or 0,
         )
         if finished:
             o.metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time, seq.num_preemptions)
@@ -283,6 +292,8 @@ class Engine:
         st.num_running = len(self.scheduler.running)
         st.num_waiting = len(self.scheduler.waiting)
         st.admissions = {d.value: n for d, n in self.scheduler.admissions.items()}
+        st.prefix_cache_queries = self.scheduler.prefix_queries
+        st.prefix_cache_hits = self.scheduler.prefix_hits
         return st
 
     # ------------------------------------------------------------------ offline use

@@ -112,7 +112,9 @@ class ModelRunner:
         acc = torch.repeat_interleave(torch.arange(n), counts)
         rank = torch.arange(len(flat_list)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         hi = max(flat_list) + 1
-        if hi <= IN_PLACE_FACTOR * len(flat_list):
+        # In place, a pool page is scored against one decode only: a page two decodes share
+        # (a cached prefix) needs the gathered path, which lists it once per decode.
+        if hi <= IN_PLACE_FACTOR * len(flat_list) and len(set(flat_list)) == len(flat_list):
             src = None
             acc_r = torch.full((hi,), n, dtype=torch.long)
             acc_r[flat] = acc

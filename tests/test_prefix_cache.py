@@ -345,3 +345,13 @@ def test_budget_counts_cached_pages_as_free_and_shared_ones_once():
     assert engine.scheduler.pages_waiting() == 1
     run = drive(engine)
     assert run.final("b").cached_tokens == 40 and run.reason("b") == "length"
+
+
+def test_the_worker_setting_turns_it_off():
+    from common.settings import Settings
+    from worker.main import engine_config
+
+    assert engine_config(Settings.from_env({}), "cpu").enable_prefix_caching is True
+    assert engine_config(Settings.from_env({"TOKENQ_PREFIX_CACHING": "off"}), "cpu").enable_prefix_caching is False
+    with pytest.raises(ValueError, match="TOKENQ_PREFIX_CACHING must be one of"):
+        Settings.from_env({"TOKENQ_PREFIX_CACHING": "maybe"})

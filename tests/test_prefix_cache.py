@@ -17,6 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from common.protocol import SamplingParams
 from worker.cache import BlockAllocator, pages_for
 from worker.prefix_cache import chain_hashes, page_hash
 from worker.sequence import Status
@@ -355,3 +356,47 @@ def test_the_worker_setting_turns_it_off():
     assert engine_config(Settings.from_env({"TOKENQ_PREFIX_CACHING": "off"}), "cpu").enable_prefix_caching is False
     with pytest.raises(ValueError, match="TOKENQ_PREFIX_CACHING must be one of"):
         Settings.from_env({"TOKENQ_PREFIX_CACHING": "maybe"})
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_attention_over_shared_pages_equals_dense_attention(window):
+    """Decodes whose tables share prefix pages (1 to 5 holders, so padded groups of 2, 4 and 8),
+    attended in one step: each equals plain attention over its own positions (float64)."""
+    import torch
+
+    from worker.attention import StepMeta, _decode
+    from worker.cache import KVCache
+    from worker.runner import ModelRunner
+    from worker.scheduler import ScheduledSeq
+    from worker.sequence import Sequence
+
+    torch.manual_seed(0)
+    ps, kvh, g, D = 4, 2, 3, 8
+    cache = KVCache(num_layers=1, num_pages=64, page_size=ps, num_kv_heads=kvh, head_dim=D, dtype=torch.float64,
+                    device=torch.device("cpu"))
+    cache.k.normal_()
+    cache.v.normal_()
+    prefixes = [[40, 41, 42], [50, 51], [60]]
+    holders = [0, 0, 0, 0, 0, 1, 1, 2, None]  # which prefix each decode starts from (None: its own pages only)
+    free = iter(range(30))
+    scheduled = []
+    for i, pre in enumerate(holders):
+        table = (list(prefixes[pre]) if pre is not None else []) + [next(free) for _ in range(1 + i % 3)]
+        ctx = (len(table) - 1) * ps + 1 + i % ps  # the last page partly filled
+        seq = Sequence(f"d{i}", [3] * ctx, ctx - 1, SamplingParams(), 1, i, 0.0, 0)
+        seq.block_table = table
+        scheduled.append(ScheduledSeq(seq, ctx - 1, 1, True))
+    runner = ModelRunner(None, cache)
+    dec = runner._decode_pages(scheduled, torch.tensor([s.start + 1 for s in scheduled]))
+    assert sorted(grp.m for grp in dec[5]) == [2, 8]  # the 3-page prefix of 5 decodes, the 2-page one of 2
+    n = len(scheduled)
+    meta = StepMeta(cache.k, cache.v, None, None, n, *dec[:5], [], dec[5])
+    q = torch.randn(n, kvh * g, D, dtype=torch.float64)
+    got = _decode(q, cache.k[0], cache.v[0], meta, window, 0.3)
+    for i, s in enumerate(scheduled):
+        ctx = s.start + 1
+        k = cache.k[0, s.seq.block_table].transpose(0, 1).reshape(kvh, -1, D)[:, :ctx]
+        v = cache.v[0, s.seq.block_table].transpose(0, 1).reshape(kvh, -1, D)[:, :ctx]
+        keep = torch.arange(ctx) > ctx - 1 - window if window else torch.ones(ctx, dtype=torch.bool)
+        w = torch.softmax((q[i].view(kvh, g, D) @ k.transpose(1, 2) * 0.3).masked_fill(~keep, float("-inf")), -1)
+        assert torch.allclose(got[i], (w @ v).reshape(kvh * g, D), atol=1e-12), f"decode {i}"

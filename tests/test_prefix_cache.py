@@ -333,8 +333,11 @@ def test_budget_counts_cached_pages_as_free_and_shared_ones_once():
     model, _ = pair("llama")
     prompt = random_prompts(random.Random(12), 1, (40, 40))[0]
     engine = make_engine(model, page_size=4, num_pages=24, max_num_seqs=4)
+    assert engine.cached_tokens(prompt) == 0
     drive(engine, {0: [("warm", prompt, greedy(2))]})
     assert engine.allocator.num_cached == 10 and engine.budget().free_tokens == 24 * 4  # cached pages are free
+    assert engine.cached_tokens(prompt) == 36 and engine.cached_tokens(prompt + [1]) == 40  # never the last token
+    assert engine.cached_tokens(prompt, cache_salt="other") == 0 and engine.cached_tokens(prompt[:3]) == 0
     engine.add_request("a", prompt + [7], greedy(8))
     engine.step()
     a = engine.scheduler.find("a")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.protocol import SamplingParams
-from worker import attention, sampler
+from worker import attention, prefix_cache, sampler
 from worker.admission import Decision, decide
 from worker.cache import BlockAllocator, KVCache
 from worker.config import EngineConfig
@@ -209,6 +209,12 @@ class Engine:
             free_tokens=max(0, free_pages) * self.config.page_size,
             free_seqs=max(0, self.config.max_num_seqs - len(s.running) - len(s.waiting)),
         )
+
+    def cached_tokens(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Prompt tokens a request would find in the prefix cache now (what it would not compute)."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        return len(prefix_cache.lookup(list(prompt_token_ids), cache_salt, self.allocator)) * self.config.page_size
 
     def can_admit(self, num_prompt_tokens: int, max_tokens: int, priority: int = 1) -> Decision:
         """What admission would decide for such a request if it were next in line now."""

@@ -49,12 +49,17 @@ def _hashes(seq: Sequence, num_pages: int, page_size: int) -> list[bytes]:
 
 def match(seq: Sequence, alloc: BlockAllocator) -> list[int]:
     """The cached pages holding the longest run of ``seq``'s first pages, never its last token."""
+    return lookup(seq.token_ids, seq.params.cache_salt, alloc, seq.page_hashes)
+
+
+def lookup(tokens: list[int], salt: str | None, alloc: BlockAllocator, hashes: list[bytes] | None = None) -> list[int]:
+    """``match`` for a token list (``hashes``: its page names so far, extended in place)."""
     ps = alloc.page_size
-    limit = (seq.num_tokens - 1) // ps
+    limit = (len(tokens) - 1) // ps
     pages: list[int] = []
     if limit <= 0:
         return pages
-    for h in _hashes(seq, limit, ps):
+    for h in chain_hashes(tokens, ps, salt, limit, hashes)[:limit]:
         p = alloc.lookup(h)
         if p is None:
             break

@@ -534,6 +534,7 @@ def parse_args(argv=None):
                     help="random: the tables above; shared-prefix: prefix caching on/off and vLLM's (scripts/bench_prefix.py)")
     ap.add_argument("--prefixes", type=int, default=8, help="shared-prefix: system prompts the requests share")
     ap.add_argument("--skip-no-hit", action="store_true", help="shared-prefix: skip the random workload's caching on/off run")
+    ap.add_argument("--skip-shared", action="store_true", help="shared-prefix: skip the shared-prefix table")
     args = ap.parse_args(argv)
     if args.quick:
         args.configs = "tiny"

@@ -148,26 +148,35 @@ def main(args, eng_kw: dict, progress: Progress) -> int:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(model_dir)
-        shared, skipped = shared_prefix(args, model, model_dir, tok, config, eng_kw, progress)
-        print(f"\n## shared prefixes: {args.requests} requests over {args.prefixes} system prompts of 200-500 tokens, "
-              f"unique suffixes of 8-32 tokens, outputs of 8-32 tokens, all at once, greedy ({config}, {args.dtype})\n")
-        print(main_table(shared))
-        on, off = shared[0], shared[1]
-        print(f"\ncaching on / off: {on.tok_s / off.tok_s:.2f}x output tok/s, TTFT mean {_mean(on.ttft):.2f} s vs "
-              f"{_mean(off.ttft):.2f} s")
-        vllm = next((r for r in shared if r.system.startswith("vllm")), None)
-        if vllm is not None:
-            print(f"tokenq (caching on) / vLLM (prefix caching on): {on.tok_s / vllm.tok_s:.2f}x output tok/s")
-        for line in skipped:
-            print(f"\nskipped: {line}")
+        if not args.skip_shared:
+            shared_table(args, model, model_dir, tok, config, eng_kw, progress)
         if not args.skip_no_hit:
-            cost = no_hit_cost(args, model, config, eng_kw, progress)
-            print(f"\n## no hits at all: bench.py's random workload ({args.requests} requests), caching on vs off, "
-                  f"best of {max(1, args.repeat)} interleaved ({config})\n")
-            print(main_table(cost))
-            print(f"\ncaching on / off with no hits: {cost[0].tok_s / cost[1].tok_s:.3f}x output tok/s")
+            no_hit_table(args, model, config, eng_kw, progress)
         if args.redis:
             two_workers(args, model, model_dir, config, eng_kw)
         del model
     print(f"\n(total {time.time() - t_start:.0f} s)")
     return 0
+
+
+def shared_table(args, model, model_dir, tok, config: str, eng_kw: dict, progress: Progress) -> None:
+    shared, skipped = shared_prefix(args, model, model_dir, tok, config, eng_kw, progress)
+    print(f"\n## shared prefixes: {args.requests} requests over {args.prefixes} system prompts of 200-500 tokens, "
+          f"unique suffixes of 8-32 tokens, outputs of 8-32 tokens, all at once, greedy ({config}, {args.dtype})\n")
+    print(main_table(shared))
+    on, off = shared[0], shared[1]
+    print(f"\ncaching on / off: {on.tok_s / off.tok_s:.2f}x output tok/s, TTFT mean {_mean(on.ttft):.2f} s vs "
+          f"{_mean(off.ttft):.2f} s")
+    vllm = next((r for r in shared if r.system.startswith("vllm")), None)
+    if vllm is not None:
+        print(f"tokenq (caching on) / vLLM (prefix caching on): {on.tok_s / vllm.tok_s:.2f}x output tok/s")
+    for line in skipped:
+        print(f"\nskipped: {line}")
+
+
+def no_hit_table(args, model, config: str, eng_kw: dict, progress: Progress) -> None:
+    cost = no_hit_cost(args, model, config, eng_kw, progress)
+    print(f"\n## no hits at all: bench.py's random workload ({args.requests} requests), caching on vs off, "
+          f"best of {max(1, args.repeat)} interleaved ({config})\n")
+    print(main_table(cost))
+    print(f"\ncaching on / off with no hits: {cost[0].tok_s / cost[1].tok_s:.3f}x output tok/s")

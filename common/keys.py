@@ -1,7 +1,8 @@
-"""Every Redis key name of the protocol (DESIGN.md §2), from one place."""
+"""Every Redis key name of the protocol (docs/protocol.md, "Keys"), from one place."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # Priority levels in order of urgency; the integer is the engine's priority (lower = sooner).
@@ -55,7 +56,18 @@ class Keys:
 
     @property
     def worker_pattern(self) -> str:
-        return f"{self.prefix}:worker:*"
+        """SCAN MATCH pattern of every heartbeat key (the prefix glob-escaped)."""
+        return f"{_glob_escape(self.prefix)}:worker:*"
+
+    @property
+    def request_pattern(self) -> str:
+        """SCAN MATCH pattern of every key that looks like a request stream, levels or not."""
+        return f"{_glob_escape(self.prefix)}:requests:*"
+
+    @property
+    def sweep(self) -> str:
+        """A short lock: one worker at a time sweeps the unread entries for expired deadlines."""
+        return f"{self.prefix}:sweep"
 
     def level_of_stream(self, stream: str) -> str | None:
         """The level a request stream key belongs to, or None for a key that is not one."""
@@ -63,3 +75,7 @@ class Keys:
         if stream.startswith(head) and stream[len(head):] in PRIORITIES:
             return stream[len(head):]
         return None
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)

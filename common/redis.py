@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit, urlunsplit
+
 import redis
 import redis.asyncio
 from redis.backoff import ExponentialBackoff
@@ -24,6 +26,18 @@ def connect(url: str, **kwargs) -> redis.Redis:
     )
     opts.update(kwargs)
     return redis.Redis.from_url(url, **opts)
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password (for logs and messages): ``redis://user:***@host:port/db``."""
+    try:
+        parts = urlsplit(url)
+        if parts.password:
+            host = parts.netloc.rsplit("@", 1)[-1]
+            return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+    except ValueError:
+        pass
+    return url
 
 
 def connect_async(url: str, **kwargs) -> redis.asyncio.Redis:

@@ -11,6 +11,7 @@ from typing import Any
 
 from common.keys import DEFAULT_PREFIX
 from common.protocol import Limits
+from common.redis import redact_url
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -107,11 +108,8 @@ def _shown(f: Any, value: Any) -> Any:
     """A value as --help may print it: secrets and URL passwords hidden."""
     if f.metadata.get("secret") and value:
         return "***"
-    if isinstance(value, str) and "://" in value and "@" in value:
-        scheme, rest = value.split("://", 1)
-        creds, _, host = rest.rpartition("@")
-        if ":" in creds:
-            return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
+    if isinstance(value, str) and "://" in value:
+        return redact_url(value)
     return value
 
 

@@ -18,108 +18,58 @@ from typing import Any
 
 import redis
 import redis.asyncio
+from typing_extensions import Unpack
 
-from common.keys import Keys
-from common.protocol import Limits
+from common.protocol import Limits, RequestOptions
 from common.redis import connect_async
-from common.settings import Settings
-from producer.client import READ_COUNT, _block_ms
-from producer.types import (
-    CONTROL_MAXLEN,
-    START_ID,
-    Chunk,
-    GenerationTimeout,
-    Result,
-    ResultReader,
-    build_request,
-    cancel_fields,
-    stream_entries,
-)
+from producer.base import ClientBase, HandleBase, block_ms, deadline_of, wait_timeout
+from producer.types import Chunk, Result, prepare_many, stream_entries
 
 __all__ = ["AsyncClient", "AsyncHandle"]
 
 
-class AsyncHandle:
+class AsyncHandle(HandleBase):
     """One submitted request: ``async for chunk in handle``, ``await handle.result()``,
     ``await handle`` (the same), ``await handle.cancel()``. Resumable like :class:`producer.Handle`."""
 
-    def __init__(self, client: AsyncClient, request_id: str, key: str | None = None, last_id: str = START_ID,
-                 next_seq: int = 0):
-        self.client = client
-        self.id = request_id
-        self.key = key or client.keys.result(request_id)
-        self._state = ResultReader(request_id, self.key, last_id, next_seq)
+    client: AsyncClient
 
-    def __repr__(self) -> str:
-        return f"<AsyncHandle {self.id} {'done' if self.done else 'running'} tokens={self._state.next_seq}>"
-
-    @property
-    def done(self) -> bool:
-        return self._state.done
-
-    @property
-    def last_id(self) -> str:
-        return self._state.last_id
-
-    @property
-    def text(self) -> str:
-        return self._state.text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._state.token_ids)
-
-    @property
-    def finish_reason(self) -> str | None:
-        f = self._state.final
-        return None if f is None else (f.finish_reason if f.type == "done" else "error")
-
-    async def _pull(self, block_ms: int) -> None:
-        reply = await self.client.redis.xread({self.key: self._state.last_id}, count=READ_COUNT,
-                                              block=max(1, block_ms))
-        self._state.feed(stream_entries(reply, self.key))
+    async def _pull(self, block: int | None) -> None:
+        self._state.feed(stream_entries(await self.client.redis.xread(**self._xread(block)), self.key))
 
     async def poll(self) -> list[Chunk]:
         if not self.done:
-            reply = await self.client.redis.xread({self.key: self._state.last_id}, count=READ_COUNT)
-            self._state.feed(stream_entries(reply, self.key))
-        out = list(self._state.pending)
-        self._state.pending.clear()
-        return out
+            await self._pull(None)
+        return self._take_pending()
 
     async def chunks(self, timeout: float | None = None) -> AsyncIterator[Chunk]:
         """Chunks as they arrive; raises GenerationError on an error entry, GenerationTimeout
         when ``timeout`` seconds pass before the end."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        st = self._state
+        deadline = deadline_of(timeout)
         while True:
-            while st.pending:
-                yield st.pending.popleft()
-            if st.done:
-                err = st.error()
-                if err is not None:
-                    raise err
+            while (c := self._next_chunk()) is not None:
+                yield c
+            if self.done:
                 return
-            await self._pull(_block_ms(deadline, self.id))
+            await self._pull(block_ms(deadline, self.id))
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         return self.chunks()
 
     async def wait(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_of(timeout)
         while not self.done:
             if deadline is not None and time.monotonic() >= deadline:
                 return False
-            await self._pull(_block_ms(deadline, self.id, raise_=False))
+            await self._pull(block_ms(deadline, self.id, raise_=False))
         return True
 
     async def result(self, timeout: float | None = None) -> Result:
         """The whole :class:`Result`; raises GenerationError on an error entry,
         GenerationTimeout when ``timeout`` seconds pass first."""
         if not await self.wait(timeout):
-            raise GenerationTimeout("wait_timeout", f"no final entry within {timeout} s", self.id)
-        self._state.pending.clear()
-        return self._state.result()
+            raise wait_timeout(timeout, self.id)
+        return self._whole()
 
     def __await__(self) -> Generator[Any, None, Result]:
         return self.result().__await__()
@@ -128,18 +78,14 @@ class AsyncHandle:
         await self.client.cancel(self.id)
 
 
-class AsyncClient:
+class AsyncClient(ClientBase):
     """Asyncio client; same arguments as :class:`producer.Client`."""
+
+    handle_type = AsyncHandle
 
     def __init__(self, redis_url: str | None = None, prefix: str | None = None, *,
                  redis_client: redis.asyncio.Redis | None = None, limits: Limits | None = None):
-        s = Settings.from_env(redis_url=redis_url, prefix=prefix)
-        self.redis_url = s.redis_url
-        self.prefix = s.prefix
-        self.keys = Keys(s.prefix)
-        self.limits = limits or s.limits
-        self._own = redis_client is None
-        self.redis = redis_client if redis_client is not None else connect_async(s.redis_url)
+        super().__init__(redis_url, prefix, redis_client, limits, connect_async)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -151,45 +97,15 @@ class AsyncClient:
         if self._own:
             await self.redis.aclose()
 
-    def prepare(self, **kwargs: Any) -> tuple[str, str, dict[str, str]]:
-        return build_request(keys=self.keys, limits=self.limits, **kwargs)
-
-    async def submit(
-        self,
-        prompt: str | None = None,
-        *,
-        input_ids: list[int] | None = None,
-        messages: list[Mapping[str, Any]] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        ignore_eos: bool | None = None,
-        priority: str | int = "normal",
-        timeout_s: float | None = None,
-        id: str | None = None,
-    ) -> AsyncHandle:
+    async def submit(self, prompt: str | None = None, **options: Unpack[RequestOptions]) -> AsyncHandle:
         """Queue one request (see :meth:`producer.Client.submit`)."""
-        rid, stream, fields = self.prepare(
-            prompt=prompt, input_ids=input_ids, messages=messages, max_tokens=max_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-            priority=priority, timeout_s=timeout_s, id=id)
+        rid, stream, fields = self.prepare(prompt=prompt, **options)
         await self.redis.xadd(stream, fields)
         return AsyncHandle(self, rid)
 
     async def submit_many(self, requests: list[Mapping[str, Any]]) -> list[AsyncHandle]:
         """Queue several requests in one round trip; all validated first, none sent if one is bad."""
-        prepared = []
-        for i, kw in enumerate(requests):
-            if not isinstance(kw, Mapping):
-                raise ValueError(f"requests[{i}] must be a dict of submit() arguments")
-            try:
-                prepared.append(self.prepare(**kw))
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"requests[{i}]: {e}") from None
+        prepared = prepare_many(self.keys, self.limits, requests)
         if not prepared:
             return []
         pipe = self.redis.pipeline(transaction=False)
@@ -198,14 +114,9 @@ class AsyncClient:
         await pipe.execute()
         return [AsyncHandle(self, rid) for rid, _, _ in prepared]
 
-    def attach(self, request_id: str, last_id: str = START_ID, next_seq: int = 0) -> AsyncHandle:
-        """A handle for a request submitted elsewhere (or earlier). To resume a reader, pass the
-        ``last_id`` and the number of tokens it had (``next_seq``, i.e. ``len(handle.token_ids)``)."""
-        cancel_fields(request_id)  # validates the id
-        return AsyncHandle(self, request_id, last_id=last_id, next_seq=next_seq)
-
     async def cancel(self, request_id: str) -> None:
-        await self.redis.xadd(self.keys.control, cancel_fields(request_id), maxlen=CONTROL_MAXLEN, approximate=True)
+        args, kw = self._cancel_xadd(request_id)
+        await self.redis.xadd(*args, **kw)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Result:
         """``submit`` and wait; cancels the request if the wait is interrupted or times out."""

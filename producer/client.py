@@ -8,7 +8,7 @@
         print(chunk.text, end="", flush=True)
     r = h.result()                        # Result: text, token_ids, finish_reason, usage, timings
 
-Everything travels over the public protocol of DESIGN.md §2: one XADD on
+Everything travels over the public protocol of docs/protocol.md: one XADD on
 ``{prefix}:requests:{level}``, then XREAD on ``{prefix}:result:{id}``.
 """
 
@@ -19,32 +19,17 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import redis
+from typing_extensions import Unpack
 
-from common.keys import Keys
-from common.protocol import Limits
+from common.protocol import Limits, RequestOptions
 from common.redis import connect
-from common.settings import Settings
-from producer.types import (
-    CONTROL_MAXLEN,
-    START_ID,
-    Chunk,
-    GenerationTimeout,
-    Result,
-    ResultReader,
-    build_request,
-    cancel_fields,
-    stream_entries,
-)
+from producer.base import BLOCK_MS, READ_COUNT, ClientBase, HandleBase, block_ms, deadline_of, wait_timeout
+from producer.types import Chunk, Result, prepare_many, stream_entries
 
-BLOCK_MS = 1000  # longest single XREAD BLOCK; waits are made of these so Ctrl-C and timeouts stay prompt
-READ_COUNT = 256
+__all__ = ["BLOCK_MS", "READ_COUNT", "Client", "Handle"]
 
 
-def _settings(redis_url: str | None, prefix: str | None) -> Settings:
-    return Settings.from_env(redis_url=redis_url, prefix=prefix)
-
-
-class Handle:
+class Handle(HandleBase):
     """One submitted request. Iterate it for :class:`Chunk` s; ``result()`` waits for the end.
 
     Reading is resumable: the handle keeps the id of the last entry it read, so a loop that
@@ -52,54 +37,16 @@ class Handle:
     a ``seq`` already received is never delivered twice.
     """
 
-    def __init__(self, client: Client, request_id: str, key: str | None = None, last_id: str = START_ID,
-                 next_seq: int = 0):
-        self.client = client
-        self.id = request_id
-        self.key = key or client.keys.result(request_id)
-        self._state = ResultReader(request_id, self.key, last_id, next_seq)
+    client: Client
 
-    def __repr__(self) -> str:
-        return f"<Handle {self.id} {'done' if self.done else 'running'} tokens={self._state.next_seq}>"
-
-    # -------------------------------------------------------------- state
-    @property
-    def done(self) -> bool:
-        """True once the final (``done`` or ``error``) entry has been read."""
-        return self._state.done
-
-    @property
-    def last_id(self) -> str:
-        """Id of the last result-stream entry read; ``client.attach(id, last_id=...)`` resumes from it."""
-        return self._state.last_id
-
-    @property
-    def text(self) -> str:
-        """The text received so far."""
-        return self._state.text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._state.token_ids)
-
-    @property
-    def finish_reason(self) -> str | None:
-        f = self._state.final
-        return None if f is None else (f.finish_reason if f.type == "done" else "error")
-
-    # -------------------------------------------------------------- reading
-    def _pull(self, block_ms: int) -> None:
-        reply = self.client.redis.xread({self.key: self._state.last_id}, count=READ_COUNT, block=max(1, block_ms))
-        self._state.feed(stream_entries(reply, self.key))
+    def _pull(self, block: int | None) -> None:
+        self._state.feed(stream_entries(self.client.redis.xread(**self._xread(block)), self.key))
 
     def poll(self) -> list[Chunk]:
         """What has arrived, without waiting (an empty list when nothing has)."""
         if not self.done:
-            reply = self.client.redis.xread({self.key: self._state.last_id}, count=READ_COUNT)
-            self._state.feed(stream_entries(reply, self.key))
-        out = list(self._state.pending)
-        self._state.pending.clear()
-        return out
+            self._pull(None)
+        return self._take_pending()
 
     def chunks(self, timeout: float | None = None) -> Iterator[Chunk]:
         """Yield chunks as they arrive until the request ends.
@@ -108,28 +55,24 @@ class Handle:
         :class:`GenerationTimeout` when ``timeout`` seconds pass before it ends (the request
         keeps running; iterate again to go on).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        st = self._state
+        deadline = deadline_of(timeout)
         while True:
-            while st.pending:
-                yield st.pending.popleft()
-            if st.done:
-                err = st.error()
-                if err is not None:
-                    raise err
+            while (c := self._next_chunk()) is not None:
+                yield c
+            if self.done:
                 return
-            self._pull(_block_ms(deadline, self.id))
+            self._pull(block_ms(deadline, self.id))
 
     def __iter__(self) -> Iterator[Chunk]:
         return self.chunks()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Read until the final entry (True) or ``timeout`` seconds (False); chunks stay iterable."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_of(timeout)
         while not self.done:
             if deadline is not None and time.monotonic() >= deadline:
                 return False
-            self._pull(_block_ms(deadline, self.id, raise_=False))
+            self._pull(block_ms(deadline, self.id, raise_=False))
         return True
 
     def result(self, timeout: float | None = None) -> Result:
@@ -141,27 +84,15 @@ class Handle:
         ``finish_reason``; call ``.check()`` on the result to turn those into exceptions.
         """
         if not self.wait(timeout):
-            raise GenerationTimeout("wait_timeout", f"no final entry within {timeout} s", self.id)
-        self._state.pending.clear()
-        return self._state.result()
+            raise wait_timeout(timeout, self.id)
+        return self._whole()
 
     def cancel(self) -> None:
         """Ask every worker to stop this request (``XADD {prefix}:control type cancel id <id>``)."""
         self.client.cancel(self.id)
 
 
-def _block_ms(deadline: float | None, rid: str, raise_: bool = True) -> int:
-    if deadline is None:
-        return BLOCK_MS
-    left = deadline - time.monotonic()
-    if left <= 0:
-        if raise_:
-            raise GenerationTimeout("wait_timeout", "no new result entry before the timeout", rid)
-        return 1
-    return max(1, min(BLOCK_MS, int(left * 1000)))
-
-
-class Client:
+class Client(ClientBase):
     """A connection to a tokenq queue. ``redis_url`` and ``prefix`` default to
     ``TOKENQ_REDIS_URL`` / ``TOKENQ_PREFIX`` (then ``redis://localhost:6379/0`` / ``tokenq``).
 
@@ -169,15 +100,11 @@ class Client:
     the same the workers use unless they were started with others).
     """
 
+    handle_type = Handle
+
     def __init__(self, redis_url: str | None = None, prefix: str | None = None, *,
                  redis_client: redis.Redis | None = None, limits: Limits | None = None):
-        s = _settings(redis_url, prefix)
-        self.redis_url = s.redis_url
-        self.prefix = s.prefix
-        self.keys = Keys(s.prefix)
-        self.limits = limits or s.limits
-        self._own = redis_client is None
-        self.redis = redis_client if redis_client is not None else connect(s.redis_url)
+        super().__init__(redis_url, prefix, redis_client, limits, connect)
 
     def __enter__(self) -> Client:
         return self
@@ -189,41 +116,16 @@ class Client:
         if self._own:
             self.redis.close()
 
-    # -------------------------------------------------------------- sending
-    def prepare(self, **kwargs: Any) -> tuple[str, str, dict[str, str]]:
-        """(request id, stream key, fields) for ``submit(**kwargs)``, validated; sends nothing."""
-        return build_request(keys=self.keys, limits=self.limits, **kwargs)
-
-    def submit(
-        self,
-        prompt: str | None = None,
-        *,
-        input_ids: list[int] | None = None,
-        messages: list[Mapping[str, Any]] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        ignore_eos: bool | None = None,
-        priority: str | int = "normal",
-        timeout_s: float | None = None,
-        id: str | None = None,
-    ) -> Handle:
+    def submit(self, prompt: str | None = None, **options: Unpack[RequestOptions]) -> Handle:
         """Queue one request; returns its :class:`Handle` at once.
 
         Exactly one of ``prompt``, ``input_ids`` or ``messages`` (chat, ``[{"role", "content"}]``).
         Unset sampling arguments take the protocol's defaults (max_tokens 256, temperature 1).
         ``priority`` is ``high``, ``normal`` or ``low``; ``timeout_s`` makes the worker give up
         (``finish_reason timeout``) if the request has not started by then. Bad arguments
-        raise ValueError before anything is sent.
+        raise ValueError before anything is sent. The arguments: :class:`common.protocol.RequestOptions`.
         """
-        rid, stream, fields = self.prepare(
-            prompt=prompt, input_ids=input_ids, messages=messages, max_tokens=max_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-            priority=priority, timeout_s=timeout_s, id=id)
+        rid, stream, fields = self.prepare(prompt=prompt, **options)
         self.redis.xadd(stream, fields)
         return Handle(self, rid)
 
@@ -233,16 +135,7 @@ class Client:
         All are validated first: one bad request raises ValueError (naming its index) and
         none is sent.
         """
-        prepared = []
-        for i, kw in enumerate(requests):
-            if not isinstance(kw, Mapping):
-                raise ValueError(f"requests[{i}] must be a dict of submit() arguments")
-            try:
-                prepared.append(self.prepare(**kw))
-            except TypeError as e:  # an unknown argument name
-                raise ValueError(f"requests[{i}]: {e}") from None
-            except ValueError as e:
-                raise ValueError(f"requests[{i}]: {e}") from None
+        prepared = prepare_many(self.keys, self.limits, requests)
         if not prepared:
             return []
         pipe = self.redis.pipeline(transaction=False)
@@ -251,15 +144,10 @@ class Client:
         pipe.execute()
         return [Handle(self, rid) for rid, _, _ in prepared]
 
-    def attach(self, request_id: str, last_id: str = START_ID, next_seq: int = 0) -> Handle:
-        """A handle for a request submitted elsewhere (or earlier). To resume a reader, pass the
-        ``last_id`` and the number of tokens it had (``next_seq``, i.e. ``len(handle.token_ids)``)."""
-        cancel_fields(request_id)  # validates the id
-        return Handle(self, request_id, last_id=last_id, next_seq=next_seq)
-
     def cancel(self, request_id: str) -> None:
         """Cancel a request by id (it ends with ``finish_reason cancelled``)."""
-        self.redis.xadd(self.keys.control, cancel_fields(request_id), maxlen=CONTROL_MAXLEN, approximate=True)
+        args, kw = self._cancel_xadd(request_id)
+        self.redis.xadd(*args, **kw)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Result:
         """``submit(...)`` and wait for the result; cancels the request if the wait is interrupted."""

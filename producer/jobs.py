@@ -19,6 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from typing_extensions import Unpack
+
+from common.protocol import RequestOptions
 from producer.client import Client
 from producer.types import GenerationError, GenerationTimeout
 
@@ -39,24 +42,13 @@ def dependency_result() -> Any:
 def generate(
     prompt: str | None = None,
     *,
-    input_ids: list[int] | None = None,
-    messages: list[Mapping[str, Any]] | None = None,
     prompt_template: str | None = None,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: str | list[str] | None = None,
-    stop_token_ids: list[int] | None = None,
-    ignore_eos: bool | None = None,
-    priority: str | int = "normal",
     redis_url: str | None = None,
     prefix: str | None = None,
-    timeout_s: float | None = None,
     wait_s: float | None = None,
+    **options: Unpack[RequestOptions],
 ) -> dict[str, Any]:
-    """Generate and return the result as a plain dict.
+    """Generate and return the result as a plain dict; ``options`` are those of ``Client.submit``.
 
     ``prompt_template`` builds the prompt from the job this one ``depends_on``: ``{text}`` is
     replaced by that job's generated text. ``timeout_s`` is the tokenq timeout (give up if no
@@ -65,17 +57,14 @@ def generate(
     an error entry or a cancelled request, :class:`GenerationTimeout` for a timeout.
     """
     if prompt_template is not None:
-        if prompt is not None or input_ids is not None or messages is not None:
+        if prompt is not None or options.get("input_ids") is not None or options.get("messages") is not None:
             raise ValueError("prompt_template replaces prompt, input_ids and messages: give only one")
         dep = dependency_result()
         if not isinstance(dep, Mapping) or not isinstance(dep.get("text"), str):
             raise ValueError("prompt_template needs a dependency (depends_on) that returned a generate() result")
         prompt = prompt_template.replace("{text}", dep["text"])
     with Client(redis_url, prefix) as client:
-        h = client.submit(prompt, input_ids=input_ids, messages=messages, max_tokens=max_tokens,
-                          temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                          stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, priority=priority,
-                          timeout_s=timeout_s)
+        h = client.submit(prompt, **options)
         _note_request_id(h.id)
         try:
             result = h.result(timeout=wait_s).check()

@@ -1,6 +1,6 @@
 """What producers get back: chunks, results, errors, and the reader state both clients share.
 
-Torch-free and I/O-free: :class:`ResultReader` turns raw result-stream entries (DESIGN.md §2)
+Torch-free and I/O-free: :class:`ResultReader` turns raw result-stream entries (docs/protocol.md)
 into chunks, keeps the last entry id (so reading can resume) and drops any ``seq`` it has
 already seen (so a request resumed by another worker after a crash never repeats tokens).
 """
@@ -8,14 +8,12 @@ already seen (so a request resumed by another worker after a crash never repeats
 from __future__ import annotations
 
 import logging
-import uuid
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from common.keys import LEVELS, Keys, priority_of
-from common.protocol import ID_RE, Limits, Request, ResultEntry, SamplingParams, decode_result, parse_request
+from common.protocol import CONTROL_MAXLEN, ResultEntry, build_request, cancel_fields, decode_result
 
 log = logging.getLogger("tokenq.producer")
 
@@ -117,78 +115,6 @@ class Result:
         }
 
 
-# ---------------------------------------------------------------------------- requests
-
-
-def new_id() -> str:
-    return uuid.uuid4().hex
-
-
-def build_request(
-    *,
-    keys: Keys,
-    limits: Limits,
-    prompt: str | None = None,
-    input_ids: Iterable[int] | None = None,
-    messages: list[Mapping[str, Any]] | None = None,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: str | list[str] | None = None,
-    stop_token_ids: list[int] | None = None,
-    ignore_eos: bool | None = None,
-    priority: str | int = "normal",
-    timeout_s: float | None = None,
-    id: str | None = None,
-) -> tuple[str, str, dict[str, str]]:
-    """(request id, request stream key, XADD fields), validated exactly as a worker will parse them.
-
-    Raises ValueError with a message naming the bad argument before anything is sent.
-    """
-    try:
-        level = LEVELS[priority_of(priority)]
-    except ValueError as e:
-        raise ValueError(str(e)) from None
-    given = [n for n, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages)) if v is not None]
-    if len(given) != 1:
-        raise ValueError("exactly one of prompt, input_ids or messages is required"
-                         + (f" (got {', '.join(given)})" if given else ""))
-    if prompt is not None and not isinstance(prompt, str):
-        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-    if input_ids is not None:
-        if isinstance(input_ids, (str, bytes)):
-            raise ValueError("input_ids must be a list of token ids")
-        input_ids = list(input_ids)
-    if messages is not None:
-        if not isinstance(messages, list):
-            raise ValueError("messages must be a list of {role, content} dicts")
-        messages = [dict(m) if isinstance(m, Mapping) else m for m in messages]
-    rid = new_id() if id is None else id
-    if not isinstance(rid, str) or not ID_RE.match(rid):
-        raise ValueError("id must be 1-128 characters of letters, digits and ._:- (starting with a letter or digit)")
-    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)):
-        raise ValueError("timeout_s must be a number of seconds")
-    sampling = {k: v for k, v in dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                      seed=seed, stop=stop, stop_token_ids=stop_token_ids,
-                                      ignore_eos=ignore_eos).items() if v is not None}
-    if "stop" in sampling and not isinstance(sampling["stop"], (str, list, tuple)):
-        raise ValueError("stop must be a string or a list of strings")
-    params = SamplingParams(**sampling)  # type checks: ValueError naming the field
-    req = Request(id=rid, reply_to=keys.result(rid), params=params, prompt=prompt, input_ids=input_ids,
-                  messages=messages, timeout_s=timeout_s)
-    try:
-        fields = req.to_fields()
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"cannot encode the request: {e}") from None
-    try:  # the worker's own parser: same limits, same messages
-        parse_request(fields, entry_id="0-1", level=level, keys=keys, limits=limits)
-    except ValueError as e:
-        raise ValueError(getattr(e, "message", str(e))) from None
-    return rid, keys.requests(level), fields
-
-
 # ---------------------------------------------------------------------------- reading
 
 
@@ -212,6 +138,19 @@ def stream_entries(reply: Any, key: str) -> list[tuple[str, Mapping[Any, Any]]]:
                 continue
             out.append((eid.decode() if isinstance(eid, bytes) else eid, fields))
     return out
+
+
+def prepare_many(keys: Any, limits: Any, requests: list[Mapping[str, Any]]) -> list[tuple[str, str, dict[str, str]]]:
+    """``build_request`` for each dict of submit() arguments; ValueError naming the index of a bad one."""
+    prepared = []
+    for i, kw in enumerate(requests):
+        if not isinstance(kw, Mapping):
+            raise ValueError(f"requests[{i}] must be a dict of submit() arguments")
+        try:
+            prepared.append(build_request(keys=keys, limits=limits, **kw))
+        except (TypeError, ValueError) as e:  # TypeError: an unknown argument name
+            raise ValueError(f"requests[{i}]: {e}") from None
+    return prepared
 
 
 class ResultReader:
@@ -280,10 +219,6 @@ class ResultReader:
         )
 
 
-def cancel_fields(request_id: str) -> dict[str, str]:
-    if not isinstance(request_id, str) or not ID_RE.match(request_id):
-        raise ValueError(f"not a valid request id: {request_id!r}")
-    return {"type": "cancel", "id": request_id}
-
-
-CONTROL_MAXLEN = 10_000  # the control stream is trimmed (approximately) to this many entries
+__all__ = ["CONTROL_MAXLEN", "START_ID", "Chunk", "GenerationCancelled", "GenerationError", "GenerationTimeout",
+           "Result", "ResultReader", "Timings", "Usage", "build_request", "cancel_fields",
+           "prepare_many", "stream_entries"]

@@ -322,7 +322,7 @@ def run_through_redis(redis_url: str, model, model_dir, workload, config: str, *
                       max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, page_size: int = 16) -> Result:
     """End to end through Redis, as deployed: producer -> worker process -> result streams.
 
-    The producer side is plain redis-py speaking the public protocol (DESIGN.md §2): one
+    The producer side is plain redis-py speaking the public protocol (docs/protocol.md): one
     pipelined XADD of every request to ``{prefix}:requests:normal`` (input_ids, max_tokens,
     temperature 0, ignore_eos), then XREAD over all result streams until each has its
     ``done`` entry; token times are when the entries are read. The worker is a real

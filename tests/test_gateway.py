@@ -279,7 +279,7 @@ def test_health_when_redis_is_down(local_redis, prefix):
 def test_stream_of_a_queued_request_keeps_alive(idle_gateway, prefix, r, monkeypatch):
     """A stream whose request waits in the queue answers 200 after a while and sends SSE keep-alive
     comments until the tokens come (written here with the protocol's encoders, as a worker would)."""
-    import producer.gateway as gw
+    import producer.gateway.streaming as gw
 
     monkeypatch.setattr(gw, "FIRST_EVENT_WAIT_S", 0.3)
     monkeypatch.setattr(gw, "KEEPALIVE_S", 0.2)

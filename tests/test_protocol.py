@@ -191,3 +191,14 @@ def test_control():
     assert parse_control({b"type": b"cancel", b"id": b"abc"}) == ("cancel", "abc")
     assert parse_control({b"type": b"reboot", b"id": b"abc"}) is None
     assert parse_control({b"type": b"cancel", b"id": b"a b"}) is None
+
+
+def test_payload_merges_with_flat_fields():
+    packed = msgpack.packb({"input_ids": [1, 2], "max_tokens": 4, "ignore_eos": True})
+    req = parse_request({b"payload": packed, b"id": b"flat", b"max_tokens": b"4", b"ignore_eos": b"true"},
+                        entry_id="1-1", keys=K)
+    assert req.id == "flat" and req.reply_to == K.result("flat") and req.params.max_tokens == 4
+    with pytest.raises(ProtocolError) as e:
+        parse_request({b"payload": packed, b"max_tokens": b"5", b"id": b"x"}, entry_id="1-1", keys=K)
+    assert e.value.code == INVALID_REQUEST and "max_tokens is given both" in e.value.message
+    assert e.value.reply_to == K.result("x")  # the error goes where the flat id points

@@ -242,28 +242,3 @@ def test_heartbeat(r, prefix, worker_factory):
     assert 0 < r.ttl(f"{prefix}:worker:{w.name}") <= 10
     assert w.stop() == 0
     assert not r.exists(f"{prefix}:worker:{w.name}")
-
-
-def test_a_dropped_request_leaves_the_step_script_of_the_others(r, prefix):
-    """A request dropped (its entry claimed by another worker) while its token entries still
-    wait in the outbox: they come out of the step's one script call, the others' stay."""
-    from common.protocol import token_entry
-    from worker.service import _PUBLISH_TOKENS, _without
-
-    keys = [f"{prefix}:result:{n}" for n in ("a", "b", "c")]
-    args = [100, 60]
-    for i, _ in enumerate(keys):
-        entry = token_entry(0, [i + 1], f"t{i}")
-        args.append(2 * len(entry))
-        for kv in entry.items():
-            args.extend(kv)
-    op = ("eval", (_PUBLISH_TOKENS, len(keys), *keys, *args), {})
-    assert _without(("xadd", (keys[1], {}), {}), keys[1]) is None
-    assert _without(op, f"{prefix}:result:other") is op
-    kept = _without(op, keys[1])
-    assert kept[1][1] == 2 and keys[1] not in kept[1]
-    assert _without(_without(kept, keys[0]), keys[2]) is None
-    name, a, kw = kept
-    assert r.eval(*a) == 2
-    assert [r.xlen(k) for k in keys] == [1, 0, 1]
-    assert r.xrange(keys[2])[0][1][b"text"] == b"t2" and 0 < r.ttl(keys[0]) <= 60

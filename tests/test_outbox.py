@@ -1,0 +1,104 @@
+"""The outbox's typed operations and the scripts behind them, written to the real Redis."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from common.keys import Keys
+from common.local_redis import free_port
+from common.protocol import done_entry, error_entry, token_entry
+from worker.service.outbox import Ack, DeadLetter, Finalize, Outbox, Publish, PublishTokens, Wire
+from worker.service.scripts import Scripts
+
+
+@pytest.fixture
+def wire(r, prefix):
+    return Wire(Scripts(r), Keys(prefix), "me", 100, 60)
+
+
+def pending_entry(r, keys: Keys, consumer: str, level: str = "normal") -> tuple[str, str]:
+    """(stream, entry id) of an entry read by ``consumer`` and not acknowledged."""
+    stream = keys.requests(level)
+    r.xgroup_create(stream, keys.group, id="0", mkstream=True)
+    entry_id = r.xadd(stream, {"prompt": "x"}).decode()
+    r.xreadgroup(keys.group, consumer, {stream: ">"}, count=1)
+    return stream, entry_id
+
+
+def done(rid: str) -> dict[str, str]:
+    return done_entry(rid, "stop", prompt_tokens=1, completion_tokens=1, queue_s=0, ttft_s=None, total_s=0)
+
+
+def test_a_dropped_request_leaves_the_step_script_of_the_others(r, prefix, wire):
+    """A request dropped (its entry claimed by another worker) while its token entries still
+    wait in the outbox: they come out of the step's one script call, the others' stay."""
+    keys = [f"{prefix}:result:{n}" for n in ("a", "b", "c")]
+    op = PublishTokens([(k, token_entry(0, [i + 1], f"t{i}")) for i, k in enumerate(keys)])
+    assert Publish(keys[1], {}).without(keys[1]) is None
+    assert op.without(f"{prefix}:result:other") is op
+    kept = op.without(keys[1])
+    assert len(kept.entries) == 2 and keys[1] not in [k for k, _ in kept.entries]
+    assert kept.without(keys[0]).without(keys[2]) is None
+    box = Outbox()
+    box.add(op)
+    box.drop(keys[1])
+    box.flush(r, wire)
+    assert len(box) == 0
+    assert [r.xlen(k) for k in keys] == [1, 0, 1]
+    assert r.xrange(keys[2])[0][1][b"text"] == b"t2" and 0 < r.ttl(keys[0]) <= 60
+
+
+def test_finalize_only_while_the_entry_is_ours(r, prefix, wire, caplog):
+    keys = Keys(prefix)
+    stream, entry_id = pending_entry(r, keys, "other")
+    reply = keys.result("f1")
+    box = Outbox()
+    box.add(Finalize(stream, entry_id, reply, done("f1")))
+    box.flush(r, wire)  # owned by "other": nothing written, the entry stays pending
+    assert r.xlen(reply) == 0 and r.xpending(stream, keys.group)["pending"] == 1
+    assert "event=final_skipped" in caplog.text
+    r.xclaim(stream, keys.group, "me", 0, [entry_id])
+    box.add(Finalize(stream, entry_id, reply, done("f1")))
+    box.add(Finalize(stream, entry_id, reply, done("f1")))  # a re-send (its reply was lost)
+    box.flush(r, wire)
+    assert r.xlen(reply) == 1 and r.xrange(reply)[0][1][b"type"] == b"done"
+    assert r.xpending(stream, keys.group)["pending"] == 0 and r.xlen(stream) == 0
+    assert 0 < r.ttl(reply) <= 60
+
+
+def test_finalize_when_redis_lost_the_entry(r, prefix, wire):
+    """Nobody owns the entry (Redis lost it) and no final entry exists: the answer still goes out."""
+    keys = Keys(prefix)
+    r.xgroup_create(keys.requests("high"), keys.group, id="0", mkstream=True)
+    box = Outbox()
+    box.add(Finalize(keys.requests("high"), "1-1", keys.result("gone"), done("gone")))
+    box.flush(r, wire)
+    assert r.xrange(keys.result("gone"))[0][1][b"type"] == b"done"
+
+
+def test_ack_dead_letter_and_order(r, prefix, wire):
+    keys = Keys(prefix)
+    stream, entry_id = pending_entry(r, keys, "me")
+    box = Outbox()
+    box.add(Publish(keys.result("bad"), error_entry("bad", "invalid_request", "no")))
+    box.add(DeadLetter({"id": "bad", "stream": stream, "entry_id": entry_id, "code": "internal", "message": "m"}))
+    box.add(Ack(stream, entry_id))
+    box.drop(keys.result("bad"))  # drops the error entry only
+    assert [type(op) for op in box.ops] == [DeadLetter, Ack]
+    box.flush(r, wire)
+    assert r.xlen(keys.result("bad")) == 0 and r.xlen(keys.dead) == 1
+    assert r.xlen(stream) == 0 and r.xpending(stream, keys.group)["pending"] == 0
+
+
+def test_kept_while_redis_is_down_then_written_in_order(r, prefix, wire):
+    keys = Keys(prefix)
+    down = redis.Redis(port=free_port(), socket_connect_timeout=0.2)
+    box = Outbox()
+    box.add(PublishTokens([(keys.result("o"), token_entry(0, [1], "a"))]))
+    box.add(Publish(keys.result("o"), token_entry(1, [2], "b")))
+    with pytest.raises(redis.ConnectionError):
+        box.flush(down, Wire(Scripts(down), keys, "me", 100, 60))
+    assert len(box) == 2
+    box.flush(r, wire)
+    assert [e[1][b"seq"] for e in r.xrange(keys.result("o"))] == [b"0", b"1"] and len(box) == 0

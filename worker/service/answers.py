@@ -1,0 +1,123 @@
+"""How the worker answers: a step's token entries, a request's final entry, a bad entry.
+
+Every answer goes into the outbox (written in order once Redis takes it). A request's final
+entry is written with the XACK + XDEL of its request entry by one script, only while the
+entry is still this worker's, so each request gets exactly one final entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from common.protocol import dead_entry, done_entry, error_entry, token_entry
+from worker.engine import RequestOutput
+from worker.service.inflight import InFlight
+from worker.service.outbox import Ack, DeadLetter, Finalize, Publish, PublishTokens
+
+if TYPE_CHECKING:
+    from worker.service.loop import Service
+
+log = logging.getLogger("tokenq.service")
+
+
+def record(svc: Service, outputs: list[RequestOutput]) -> None:
+    """Queue one result entry per request per step (plus its final entry and ack).
+
+    The step's token entries go out as one script call (one command instead of an XADD
+    and an EXPIRE per request), queued before any final entry of the same step.
+    """
+    now, mono = time.time(), time.monotonic()
+    tokens = PublishTokens()
+    finished = []
+    for o in outputs:
+        f = svc.inflight.get(o.request_id)
+        if f is None:
+            continue
+        if o.new_token_ids or o.text:
+            tokens.entries.append((f.req.reply_to, token_entry(o.seq, o.new_token_ids, o.text)))
+            svc.rate.add(mono, len(o.new_token_ids))
+        if o.finished:
+            finished.append((f, o))
+    if tokens.entries:
+        svc.outbox.add(tokens)
+    for f, o in finished:
+        if o.error is not None:
+            error(svc, f, o.error[0], o.error[1])
+            continue
+        m = o.metrics
+        wall = lambda t: None if t is None else now - (mono - t)  # noqa: E731
+        started, first = (wall(m.first_scheduled_time), wall(m.first_token_time)) if m else (None, None)
+        finish(svc, f, o.finish_reason or "stop", o.num_prompt_tokens, o.num_output_tokens, started, first, o)
+
+
+def finish(svc: Service, f: InFlight, reason: str, prompt_tokens: int, completion_tokens: int,
+           started: float | None, first: float | None, output: RequestOutput | None = None) -> None:
+    """The request's ``done`` entry (times measured from its entry id)."""
+    now = time.time()
+    _final(svc, f, done_entry(
+        f.req.id, reason,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        queue_s=max(0.0, (started or now) - f.enqueued_wall),
+        ttft_s=None if first is None else max(0.0, first - f.enqueued_wall),
+        total_s=max(0.0, now - f.enqueued_wall),
+    ))
+    svc.counts["served"] += 1
+    log.info("event=done id=%s reason=%s prompt_tokens=%d completion_tokens=%d", f.req.id, reason, prompt_tokens,
+             completion_tokens)
+    svc.finished(f, output, reason)
+
+
+def error(svc: Service, f: InFlight, code: str, message: str) -> None:
+    """The request's ``error`` entry (the engine refused or failed it)."""
+    _final(svc, f, error_entry(f.req.id, code, message))
+    svc.counts["errors"] += 1
+    log.warning("event=error id=%s code=%s message=%r", f.req.id, code, message)
+    svc.finished(f, None, "error:" + code)
+
+
+def _final(svc: Service, f: InFlight, entry: dict[str, str]) -> None:
+    svc.outbox.add(Finalize(f.stream, f.entry_id, f.req.reply_to, entry))
+    svc.inflight.pop(f.req.id, None)
+
+
+def ack(svc: Service, f: InFlight) -> None:
+    """Acknowledge a request whose final entry is already out (a resumed one)."""
+    svc.outbox.add(Ack(f.stream, f.entry_id))
+    svc.inflight.pop(f.req.id, None)
+
+
+@dataclass
+class BadEntry:
+    """A request entry the worker will not serve, and how to answer it."""
+
+    stream: str
+    entry_id: str
+    request_id: str | None
+    reply_to: str | None  # None: no safe result stream, the answer goes to the dead-letter stream
+    code: str
+    message: str
+    dead_letter: bool = False  # also record it in the dead-letter stream (it gave up after retries)
+    acked: bool = True  # XACK + XDEL it (False: already deleted, never in the group)
+
+
+def answer_bad(svc: Service, bad: BadEntry) -> None:
+    """Count and log a bad entry, publish its error (or dead letter), acknowledge it."""
+    if bad.dead_letter:
+        svc.counts["dead"] += 1
+        log.error("event=dead_letter stream=%s entry=%s id=%s message=%r", bad.stream, bad.entry_id, bad.request_id,
+                  bad.message)
+    else:
+        svc.counts["errors"] += 1
+        log.warning("event=rejected entry=%s id=%s code=%s message=%r", bad.entry_id, bad.request_id, bad.code,
+                    bad.message)
+    svc.finished(None, None, "error:" + bad.code)
+    if bad.reply_to is not None:
+        svc.outbox.add(Publish(bad.reply_to, error_entry(bad.request_id, bad.code, bad.message)))
+    if bad.reply_to is None or bad.dead_letter:
+        svc.outbox.add(DeadLetter(dead_entry(bad.request_id, bad.stream, bad.entry_id, bad.code, bad.message)))
+    if bad.acked:
+        svc.outbox.add(Ack(bad.stream, bad.entry_id))

@@ -185,6 +185,12 @@ def test_result_entries_round_trip():
     assert (d.type, d.finish_reason, d.prompt_tokens, d.completion_tokens, d.queue_s, d.ttft_s, d.final) == ("done", "length", 4, 2, 0.5, None, True)
     e = decode_result(error_entry("r", "too_long", "no"))
     assert (e.type, e.code, e.message, e.final) == ("error", "too_long", "no", True)
+    c = decode_result(done_entry("r", "stop", prompt_tokens=40, completion_tokens=2, queue_s=0, ttft_s=0.1, total_s=1.0,
+                                 cached_tokens=32))
+    assert (c.prompt_tokens, c.cached_tokens) == (40, 32) and d.cached_tokens == 0
+    old = {k: v for k, v in done_entry("r", "stop", prompt_tokens=4, completion_tokens=2, queue_s=0, ttft_s=None,
+                                       total_s=1.0).items() if k != "cached_tokens"}
+    assert decode_result(old).cached_tokens == 0  # a done entry of an older worker
 
 
 def test_control():

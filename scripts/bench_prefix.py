@@ -120,7 +120,7 @@ def two_workers(args, model, model_dir, config: str, eng_kw: dict) -> None:
                         done[key] = final[0]
                         del last[key]
             wall = time.perf_counter() - t0
-            time.sleep(2.5)  # one more heartbeat each, after the last request
+            time.sleep(4.5)  # a heartbeat or two more each (every 2 s), after the last request
             beats = {n: r.hgetall(f"{prefix}:worker:{n}") for n in names}
         finally:
             for stop in stops:

@@ -131,7 +131,7 @@ def _decode(q, kc, vc, meta: StepMeta, window, scaling) -> torch.Tensor:
     # scores, scaled and masked in one call: bias + scaling * q k^T
     s = torch.baddbmm(meta.decode_bias(window, kvh, q.dtype), qp.view(Np * kvh, g, D),
                       K.reshape(Np * kvh, ps, D).transpose(1, 2), alpha=scaling).view(Np, kvh, g, ps)
-    q4 = q.view(n, kvh, g, D)
+    q4 = q.reshape(n, kvh, g, D)
     shared = [(grp, shared_pages.scores(q4, kc, grp, window, scaling)) for grp in meta.dec_shared]
     # softmax over each sequence's slots, across its pages: subtract the sequence's max
     m = s.new_full((n + 1, kvh, g), float("-inf"))

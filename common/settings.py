@@ -24,9 +24,9 @@ class Settings:
     redis_url: str = _f("redis://localhost:6379/0", "Redis URL (redis://, rediss:// for TLS, user:password@ for AUTH)")
     prefix: str = _f(DEFAULT_PREFIX, "key prefix of every Redis key")
     # The model.
-    model: str = _f("smollm2", "model: 'smollm2' (the bundled default), a local transformers directory or a hub id")
+    model: str = _f("smollm2", "model: 'smollm2' (the bundled default), 'gemma3-270m', a local transformers directory or a hub id")
     device: str = _f("auto", "cpu, cuda, cuda:N or auto")
-    dtype: str = _f("auto", "float32, bfloat16, float16, float64 or auto (bf16 on CUDA, fp32 on CPU)")
+    dtype: str = _f("auto", "float32, bfloat16, float16, float64 or auto (bf16 on CUDA and on CPUs with native bf16, else fp32)")
     name: str = _f("", "worker name (default: host-pid)")
     # The engine.
     page_size: int = _f(16, "tokens per KV-cache page")
@@ -41,6 +41,7 @@ class Settings:
     swap_pages: int = _f(0, "host pool pages for swap preemption (0: same as the device pool)")
     prefix_caching: str = _f("on", "reuse the KV cache of prompt prefixes already computed (full pages, shared across requests)",
                              choices=("on", "off"))
+    fast_path: str = _f("on", "merged, prepacked linear layers (off: the plain eager forward; float64 is always eager)", choices=("on", "off"))
     # The Redis loop.
     claim_idle_s: float = _f(30.0, "claim in-flight entries of a dead worker after this idle time")
     max_attempts: int = _f(3, "deliveries before an entry goes to the dead-letter stream")

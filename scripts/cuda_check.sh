@@ -3,7 +3,9 @@
 #   1. greedy parity on the GPU: tiny Llama/Qwen2/Qwen3/Mistral in float64 (exact), then the
 #      default SmolLM2 model in bfloat16 against generate, near ties allowed;
 #   2. the benchmark on CUDA in bfloat16: SmolLM2 and the small config, 256 concurrent
-#      requests, tokenq's engine against HF static batching and the ideal forward.
+#      requests, tokenq's engine (its fast path: merged q/k/v and gate/up GEMMs, fused
+#      RMSNorm) against the same engine with the fast path off, HF static batching and the
+#      ideal forward; the GPU's GEMM peak and each system's MFU in the same table.
 # Results go to $OUT (default ./cuda-results): parity.txt, bench.md, bench.json, bench.png.
 # A torch that already imports (the machine's CUDA build) is kept by the set-up.
 set -euo pipefail
@@ -12,6 +14,6 @@ OUT="${OUT:-$ROOT/cuda-results}"
 mkdir -p "$OUT"
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/device.txt"
 python scripts/bench_parity.py --device cuda --bf16 2>&1 | tee "$OUT/parity.txt"
-python scripts/bench.py --device cuda --dtype bfloat16 --configs smollm2,small --systems engine,ideal,hf-static \
+python scripts/bench.py --device cuda --dtype bfloat16 --configs smollm2,small --systems engine,engine-eager,ideal,hf-static \
   --requests 256 --max-num-seqs 256 --max-num-batched-tokens 8192 --hf-batch 16 --sweeps '' --no-progress \
   --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.md"

@@ -361,8 +361,8 @@ def test_the_worker_setting_turns_it_off():
         Settings.from_env({"TOKENQ_PREFIX_CACHING": "maybe"})
 
 
-@pytest.mark.parametrize("window", [None, 7])
-def test_decode_attention_over_shared_pages_equals_dense_attention(window):
+@pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 2.0)])
+def test_decode_attention_over_shared_pages_equals_dense_attention(window, softcap):
     """Decodes whose tables share prefix pages (1 to 5 holders, so padded groups of 2, 4 and 8),
     attended in one step: each equals plain attention over its own positions (float64)."""
     import torch
@@ -395,11 +395,13 @@ def test_decode_attention_over_shared_pages_equals_dense_attention(window):
     n = len(scheduled)
     meta = StepMeta(cache.k, cache.v, None, None, n, *dec[:5], [], dec[5])
     q = torch.randn(n, kvh * g, D, dtype=torch.float64)
-    got = _decode(q, cache.k[0], cache.v[0], meta, window, 0.3)
+    got = _decode(q, cache.k[0], cache.v[0], meta, window, 0.3, softcap)
     for i, s in enumerate(scheduled):
         ctx = s.start + 1
         k = cache.k[0, s.seq.block_table].transpose(0, 1).reshape(kvh, -1, D)[:, :ctx]
         v = cache.v[0, s.seq.block_table].transpose(0, 1).reshape(kvh, -1, D)[:, :ctx]
         keep = torch.arange(ctx) > ctx - 1 - window if window else torch.ones(ctx, dtype=torch.bool)
-        w = torch.softmax((q[i].view(kvh, g, D) @ k.transpose(1, 2) * 0.3).masked_fill(~keep, float("-inf")), -1)
+        s = q[i].view(kvh, g, D) @ k.transpose(1, 2) * 0.3
+        s = s if softcap is None else torch.tanh(s / softcap) * softcap
+        w = torch.softmax(s.masked_fill(~keep, float("-inf")), -1)
         assert torch.allclose(got[i], (w @ v).reshape(kvh * g, D), atol=1e-12), f"decode {i}"

@@ -13,13 +13,19 @@ Decodes are attended together, page by page, reading the pool in place (see
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 import torch.nn.functional as F
 import transformers
+import transformers.masking_utils
 
-from worker import shared_pages
+from worker import fallback, shared_pages
 
-NAME = "tokenq_paged"
+NAME = fallback.NAME
+# a list while the start-up probe records the attention calls (worker/probe.py)
+_recording: contextvars.ContextVar[list | None] = contextvars.ContextVar("tokenq_recording", default=None)
 
 
 class StepMeta:
@@ -67,10 +73,8 @@ class StepMeta:
         return b
 
 
-def _prefill_mask(q_len: int, cached: int, window: int | None, device) -> torch.Tensor | None:
+def _prefill_mask(q_len: int, cached: int, window: int | None, device) -> torch.Tensor:
     """[q_len, cached + q_len] causal mask, offset by the cached prefix, with the sliding window."""
-    if cached == 0 and window is None:
-        return None  # plain causal: SDPA's is_causal
     q_pos = torch.arange(cached, cached + q_len, device=device)[:, None]
     k_pos = torch.arange(cached + q_len, device=device)[None, :]
     m = k_pos <= q_pos
@@ -79,14 +83,26 @@ def _prefill_mask(q_len: int, cached: int, window: int | None, device) -> torch.
     return m
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, tokenq=None, **kwargs):
-    meta: StepMeta = tokenq
+def paged_attention(module, query, key, value, attention_mask, **kwargs):
+    """The registered function. Inside an engine step (``tokenq`` given) it is paged attention;
+    anywhere else the model's previous implementation, so the model stays usable on its own."""
+    meta: StepMeta | None = kwargs.pop("tokenq", None) or fallback.step_meta()
     if meta is None:
-        raise RuntimeError("tokenq_paged attention runs only inside tokenq's engine (no step metadata was given)")
+        return fallback.attention(module)(module, query, key, value, attention_mask, **kwargs)
+    calls = _recording.get()
+    if calls is not None:  # the engine's start-up probe
+        calls.append((module, query.shape, key.shape, value.shape, dict(kwargs)))
+    return _paged(module, query, key, value, meta, kwargs.get("scaling"), kwargs.get("sliding_window"),
+                  kwargs.get("softcap"), kwargs.get("s_aux"))
+
+
+def _paged(module, query, key, value, meta: StepMeta, scaling, window, softcap, sinks):
     layer = module.layer_idx
     kc, vc = meta.k[layer], meta.v[layer]  # [pages, kv_heads, page_size, head_dim]
     _, H, T, D = query.shape
     kvh = key.shape[1]
+    if scaling is None:
+        scaling = D**-0.5
     # 1. The step's new K/V into their slots (page, offset).
     kc[meta.write_pages, :, meta.write_offs] = key[0].transpose(0, 1)
     vc[meta.write_pages, :, meta.write_offs] = value[0].transpose(0, 1)
@@ -98,24 +114,49 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     #    log-sum-exp). No K/V copy per sequence, no padding to the longest sequence.
     n = meta.n_dec
     if n:
-        out[:n] = _decode(q_all[:n], kc, vc, meta, sliding_window, scaling)
+        out[:n] = _decode(q_all[:n], kc, vc, meta, window, scaling, softcap, sinks)
 
     # 3. Prefill chunks, each against its cached prefix plus itself.
     for a, b, cached, pages in meta.prefills:
         q = query[:, :, a:b]
-        mask = _prefill_mask(b - a, cached, sliding_window, query.device)
         if cached == 0:
             k, v = key[:, :, a:b], value[:, :, a:b]
         else:
             ctx = cached + b - a
             k = kc.index_select(0, pages).transpose(0, 1).reshape(kvh, -1, D)[:, :ctx].unsqueeze(0)
             v = vc.index_select(0, pages).transpose(0, 1).reshape(kvh, -1, D)[:, :ctx].unsqueeze(0)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True)
+        if softcap is None and sinks is None:
+            mask = None if cached == 0 and window is None else _prefill_mask(b - a, cached, window, query.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True)
+        else:
+            o = _prefill_eager(q, k, v, _prefill_mask(b - a, cached, window, query.device), scaling, softcap, sinks)
         out[a:b] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
 
-def _decode(q, kc, vc, meta: StepMeta, window, scaling) -> torch.Tensor:
+def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    # as transformers' eager paths: half-precision scores go through the softmax in float32
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _prefill_eager(q, k, v, mask, scaling, softcap, sinks) -> torch.Tensor:
+    """What SDPA cannot do: scores soft-capped (tanh, before the mask) and/or attention sinks
+    (one extra logit per head in the softmax's denominator). q [1, H, L, D], k/v [1, kvh, S, D]."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+    p = torch.softmax(s, dim=-1, dtype=_softmax_dtype(s.dtype)).to(v.dtype)
+    if sinks is not None:
+        p = p[..., :-1]
+    return torch.matmul(p, v)
+
+
+def _decode(q, kc, vc, meta: StepMeta, window, scaling, softcap=None, sinks=None) -> torch.Tensor:
     """q [n, H, D] -> [n, H, D]: each decode attends to the slots of its pages up to its position."""
     n, H, D = q.shape
     kvh, ps = kc.shape[1], kc.shape[2]
@@ -128,18 +169,27 @@ def _decode(q, kc, vc, meta: StepMeta, window, scaling) -> torch.Tensor:
         K, V = kc.index_select(0, meta.dec_src), vc.index_select(0, meta.dec_src)
     acc = meta.dec_acc
     qp = q.reshape(n, kvh, g, D).index_select(0, meta.dec_qrow)  # [Np, kvh, g, D]
-    # scores, scaled and masked in one call: bias + scaling * q k^T
-    s = torch.baddbmm(meta.decode_bias(window, kvh, q.dtype), qp.view(Np * kvh, g, D),
-                      K.reshape(Np * kvh, ps, D).transpose(1, 2), alpha=scaling).view(Np, kvh, g, ps)
+    bias = meta.decode_bias(window, kvh, q.dtype)
+    qk = (qp.view(Np * kvh, g, D), K.reshape(Np * kvh, ps, D).transpose(1, 2))
+    if softcap is None:  # scores, scaled and masked in one call: bias + scaling * q k^T
+        s = torch.baddbmm(bias, *qk, alpha=scaling)
+    else:  # soft-capped before the mask
+        s = torch.tanh_(torch.bmm(*qk).mul_(scaling / softcap)).mul_(softcap).add_(bias)
+    s = s.view(Np, kvh, g, ps)
     q4 = q.reshape(n, kvh, g, D)
-    shared = [(grp, shared_pages.scores(q4, kc, grp, window, scaling)) for grp in meta.dec_shared]
+    shared = [(grp, shared_pages.scores(q4, kc, grp, window, scaling, softcap)) for grp in meta.dec_shared]
     # softmax over each sequence's slots, across its pages: subtract the sequence's max
     m = s.new_full((n + 1, kvh, g), float("-inf"))
+    if sinks is not None:  # a sink is one more logit of each head: in the max and the denominator
+        sink = sinks.to(s.dtype).view(1, kvh, g)
+        m[:n] = sink
     m.scatter_reduce_(0, acc[:, None, None].expand(Np, kvh, g), s.amax(-1), "amax")
     for grp, s2 in shared:
         m.scatter_reduce_(0, grp.acc[:, None, None].expand(-1, kvh, g), s2.amax(-1), "amax")
     e = torch.exp_(s.sub_(m.index_select(0, acc)[..., None]))  # pages of no decode: nan, summed into row n
     denom = s.new_zeros((n + 1, kvh, g)).index_add_(0, acc, e.sum(-1))
+    if sinks is not None:
+        denom[:n] += torch.exp(sink - m[:n])
     o = torch.bmm(e.view(Np * kvh, g, ps), V.reshape(Np * kvh, ps, D)).view(Np, kvh, g, D)
     num = s.new_zeros((n + 1, kvh, g, D)).index_add_(0, acc, o)
     for grp, s2 in shared:
@@ -149,6 +199,20 @@ def _decode(q, kc, vc, meta: StepMeta, window, scaling) -> torch.Tensor:
     return num[:n].div_(denom[:n, ..., None]).view(n, H, D)
 
 
+@contextlib.contextmanager
+def recording():
+    """Within the block, every paged attention call appends (module, q/k/v shapes, kwargs)."""
+    calls: list = []
+    token = _recording.set(calls)
+    try:
+        yield calls
+    finally:
+        _recording.reset(token)
+
+
 def register() -> None:
-    """Make ``attn_implementation="tokenq_paged"`` available to transformers (idempotent)."""
+    """Make ``attn_implementation="tokenq_paged"`` available to transformers (idempotent): the
+    attention function, and a mask function that builds the previous implementation's masks
+    outside engine steps (inside one, masks are the engine's own: none is built)."""
     transformers.AttentionInterface.register(NAME, paged_attention)
+    transformers.masking_utils.AttentionMaskInterface.register(NAME, fallback.mask)

@@ -21,6 +21,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share full prompt pages across requests (worker/prefix_cache.py)
     device: str | None = None  # None: the model's device
     check_invariants: bool = True  # assert the scheduler's invariants after every schedule()
+    fast_path: bool = True  # merged, prepacked linears (worker/fastpath.py); eager where it cannot apply
 
     def __post_init__(self) -> None:
         if self.admission_policy not in ("optimistic", "reserve"):

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from common.protocol import SamplingParams
-from worker import attention, prefix_cache, sampler
+from worker import attention, fallback, fastpath, prefix_cache, probe, sampler
 from worker.admission import Decision, decide
 from worker.cache import BlockAllocator, KVCache
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer
-from worker.models import check_supported
+from worker.models import check_supported, max_exact_len
 from worker.runner import ModelRunner
 from worker.scheduler import Scheduler
 from worker.sequence import Sequence
@@ -95,10 +95,9 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None):
         cfg = self.config = config or EngineConfig()
         mcfg = _text_config(model.config)
-        check_supported(mcfg)
+        check_supported(mcfg, model)
         attention.register()
-        if model.config._attn_implementation != attention.NAME:
-            model.set_attn_implementation(attention.NAME)
+        fallback.adopt(model)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = torch.device(cfg.device) if cfg.device else next(model.parameters()).device
@@ -110,13 +109,14 @@ class Engine:
         host_pages = 0
         if cfg.preemption_mode == "swap":
             host_pages = cfg.swap_pages if cfg.swap_pages is not None else num_pages
+        probe.probe(model, mcfg, shape["num_layers"], num_kv, head_dim, cfg.page_size, self.device, self.dtype)
         self.cache = KVCache(num_pages=num_pages, dtype=self.dtype, device=self.device, host_pages=host_pages, **shape)
         self.allocator = BlockAllocator(num_pages, cfg.page_size)
         host_alloc = BlockAllocator(host_pages, cfg.page_size) if host_pages else None
-        model_len = getattr(mcfg, "max_position_embeddings", None) or 2**31
+        model_len = max_exact_len(mcfg)
         self.max_model_len = min(cfg.max_model_len or model_len, model_len, num_pages * cfg.page_size)
         self.scheduler = Scheduler(cfg, self.allocator, self.max_model_len, host_alloc)
-        self.runner = ModelRunner(self.model, self.cache)
+        self.runner = ModelRunner(fastpath.forward_model(self.model, self.device, cfg.fast_path), self.cache)
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = self._eos_ids(model, tokenizer)
         self._seqs: dict[str, Sequence] = {}

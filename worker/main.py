@@ -14,7 +14,7 @@ set_openmp_env()  # before anything loads torch and its OpenMP runtime
 WORKER_FLAGS = [
     "model", "redis_url", "name", "prefix", "device", "dtype", "page_size", "num_pages", "kv_cache_memory",
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "admission_policy", "preemption_mode", "soft_limit",
-    "swap_pages", "prefix_caching", "claim_idle_s", "max_attempts", "result_ttl_s", "result_maxlen", "heartbeat_s", "grace_s", "aging_s",
+    "swap_pages", "prefix_caching", "fast_path", "claim_idle_s", "max_attempts", "result_ttl_s", "result_maxlen", "heartbeat_s", "grace_s", "aging_s",
     "metrics_port", "metrics_host", "max_tokens_limit", "max_prompt_chars", "max_input_ids", "log_level",
 ]
 
@@ -45,6 +45,7 @@ def engine_config(s: Settings, device: str):
         enable_prefix_caching=s.prefix_caching == "on",
         device=device,
         check_invariants=False,
+        fast_path=s.fast_path == "on",
     )
 
 
@@ -86,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenq-worker: cannot load model {settings.model!r}: {e}", file=sys.stderr)
         return 2
     device = str(next(model.parameters()).device)
-    engine = Engine(model, tokenizer, engine_config(settings, device))
+    try:
+        engine = Engine(model, tokenizer, engine_config(settings, device))
+    except models.UnsupportedModelError as e:  # its family, or the start-up probe, says it cannot be served exactly
+        print(f"tokenq-worker: cannot serve model {settings.model!r}: {e}", file=sys.stderr)
+        return 2
     service = Service(engine, settings, model_name=settings.model, device=device)
     service.install_signal_handlers()
     if settings.metrics_port:

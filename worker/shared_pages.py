@@ -72,14 +72,19 @@ def split(flat: torch.Tensor, acc: torch.Tensor, rank: torch.Tensor, ctx: torch.
     return keep, groups
 
 
-def scores(q: torch.Tensor, kc: torch.Tensor, grp: SharedGroup, window: int | None, scaling: float) -> torch.Tensor:
-    """q [n, kvh, g, D] -> [Np * m, kvh, g, ps]: each holder's scores on each page, masked."""
+def scores(q: torch.Tensor, kc: torch.Tensor, grp: SharedGroup, window: int | None, scaling: float,
+           softcap: float | None = None) -> torch.Tensor:
+    """q [n, kvh, g, D] -> [Np * m, kvh, g, ps]: each holder's scores on each page, (soft-capped and) masked."""
     Np, m = grp.ctx.shape
     _, kvh, g, D = q.shape
     ps = kc.shape[2]
     K = kc.index_select(0, grp.src).reshape(Np * kvh, ps, D)
     qp = q.index_select(0, grp.qrow).view(Np, m, kvh, g, D).transpose(1, 2).reshape(Np * kvh, m * g, D)
-    s = torch.bmm(qp, K.transpose(1, 2)).view(Np, kvh, m, g, ps).mul_(scaling)
+    s = torch.bmm(qp, K.transpose(1, 2)).view(Np, kvh, m, g, ps)
+    if softcap is None:
+        s.mul_(scaling)
+    else:  # as the plain decode path: tanh-capped before the mask
+        s = torch.tanh_(s.mul_(scaling / softcap)).mul_(softcap)
     s.masked_fill_(~grp.mask(window), float("-inf"))
     return s.transpose(1, 2).reshape(Np * m, kvh, g, ps)
 

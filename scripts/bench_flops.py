@@ -1,0 +1,79 @@
+"""The benchmark's compute yardstick: the machine's GEMM peak, measured in the same run, and
+each system's model FLOP utilisation (MFU) against it.
+
+MFU here counts only the model's linear layers (they are nearly all of its FLOPs at these
+lengths): every token that goes through the layers costs ``2 * (linear weights of the
+layers)`` FLOPs, every sampled token ``2 * (LM head weights)`` more. A workload of prompts
+``p_i`` and outputs ``o_i`` runs ``p_i + o_i - 1`` tokens through the layers (the last
+output token is never fed back) and samples ``o_i`` tokens. Attention's own FLOPs are left
+out, so MFU slightly understates the work done. MFU = those FLOPs / wall time / peak.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+# The peak GEMM: square enough to be compute-bound, the shape of a big prefill's MLP.
+PEAK_SHAPE = (1024, 2048, 2048)  # M, K, N
+
+
+def gemm_peak(dtype: torch.dtype, device: str = "cpu", seconds: float = 1.5) -> tuple[float, str]:
+    """(GFLOP/s, how) of the best one GEMM reaches here: on CPU oneDNN-prepacked in the
+    dtype the fast path packs ``dtype`` weights in, else ``F.linear``; the best of several
+    timed rounds (the machine is shared)."""
+    from worker.fastpath import pack_dtype
+
+    M, K, N = PEAK_SHAPE
+    dev = torch.device(device)
+    x = torch.randn(M, K, device=dev).to(dtype)
+    w = torch.randn(N, K, device=dev).to(dtype)
+    pack = pack_dtype(dtype, dev)
+    if pack is not None:
+        wp = torch.ops.mkldnn._reorder_linear_weight(w.to(pack), M)
+        xp = x.to(pack)
+
+        def fn():
+            return torch.ops.mkldnn._linear_pointwise(xp, wp, None, "none", [], "")
+        how = "oneDNN prepacked" + (f" as {pack}" if pack != dtype else "")
+    else:
+        def fn():
+            return F.linear(x, w)
+        how = "F.linear"
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    threads = f"{torch.get_num_threads()} threads" if dev.type == "cpu" else str(dev)
+    with torch.inference_mode():
+        fn()
+        sync()
+        best, end = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, time.perf_counter() - t)
+    return 2 * M * K * N / best / 1e9, f"{how}, {M}x{K} by {K}x{N}, {threads}"
+
+
+def linear_weights(model) -> tuple[int, int]:
+    """(weights in the layers' nn.Linear modules, weights of the LM head)."""
+    head = model.get_output_embeddings()
+    layers = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    return layers, head.weight.numel()
+
+
+def workload_flops(model, workload) -> float:
+    """Linear-layer FLOPs of running ``workload`` ([(prompt ids, output length)]) on ``model``."""
+    layers, head = linear_weights(model)
+    fed = sum(len(p) + o - 1 for p, o in workload)
+    sampled = sum(o for _, o in workload)
+    return 2.0 * (layers * fed + head * sampled)
+
+
+def mfu_cells(flops: float, wall_s: float, peak_gflops: float) -> tuple[str, str]:
+    """The table's (achieved GFLOP/s, MFU) cells."""
+    if not flops or not wall_s or not peak_gflops:
+        return "—", "—"
+    g = flops / wall_s / 1e9
+    return f"{g:,.0f}", f"{g / peak_gflops:.0%}"

@@ -39,6 +39,8 @@ class Settings:
     preemption_mode: str = _f("recompute", "recompute or swap (to a host-memory pool)", choices=("recompute", "swap"))
     soft_limit: float = _f(0.9, "cache share above which only high-priority requests are admitted")
     swap_pages: int = _f(0, "host pool pages for swap preemption (0: same as the device pool)")
+    prefix_caching: str = _f("on", "reuse the KV cache of prompt prefixes already computed (full pages, shared across requests)",
+                             choices=("on", "off"))
     fast_path: str = _f("on", "merged, prepacked linear layers (off: the plain eager forward; float64 is always eager)", choices=("on", "off"))
     # The Redis loop.
     claim_idle_s: float = _f(30.0, "claim in-flight entries of a dead worker after this idle time")

@@ -83,6 +83,7 @@ class Choice:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those the worker found in its prefix cache
 
     @property
     def total_tokens(self) -> int:
@@ -90,7 +91,7 @@ class Usage:
 
     def to_dict(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens}
+                "total_tokens": self.total_tokens, "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 @dataclass
@@ -266,7 +267,7 @@ class ResultReader:
             text=first.text,
             token_ids=list(first.token_ids),
             finish_reason=reason,
-            usage=Usage(f.prompt_tokens, f.completion_tokens or len(first.token_ids)),
+            usage=Usage(f.prompt_tokens, f.completion_tokens or len(first.token_ids), f.cached_tokens),
             timings=Timings(f.queue_s, f.ttft_s, f.total_s),
             logprobs=first.logprobs,
             prompt_logprobs=self.prompt_logprobs,

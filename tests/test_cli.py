@@ -188,7 +188,8 @@ def test_status_counts(redis_url, prefix, r, capsys):
     r.xadd(k.dead, {"id": "x", "reason": "gave up"})
     now = time.time()
     r.hset(k.worker("w-a"), mapping={"model": "tiny", "device": "cpu", "pages_total": 256, "pages_free": 64,
-                                     "running": 2, "waiting": 1, "tokens_per_s": "31.5", "last_step": f"{now:.3f}"})
+                                     "running": 2, "waiting": 1, "tokens_per_s": "31.5", "last_step": f"{now:.3f}",
+                                     "prefix_cache_queries": 400, "prefix_cache_hits": 300})
     r.expire(k.worker("w-a"), 30)
     r.hset(k.worker("w-b"), mapping={"model": "other", "surprise": "field"})  # missing and unknown fields
     code, out, err = run(capsys, "status", "--json", "--redis-url", redis_url, "--prefix", prefix)
@@ -204,7 +205,7 @@ def test_status_counts(redis_url, prefix, r, capsys):
     code, out, err = run(capsys, "status", "--redis-url", redis_url, "--prefix", prefix)
     assert code == 0, err
     for needle in ("high", "w-a: 2", "4 queued, 2 in flight, 1 dead-lettered", "w-a", "tiny", "64/256", "31.5",
-                   "w-b", "other", "workers (2 live)"):
+                   "w-b", "other", "workers (2 live)", "75%"):
         assert needle in out, (needle, out)
 
 

@@ -152,7 +152,8 @@ def test_read_all_and_result(client, r):
     assert (res.text, res.token_ids, res.finish_reason) == ("Hello", [5, 6, 7], "length")
     assert (res.usage.prompt_tokens, res.usage.completion_tokens, res.usage.total_tokens) == (4, 3, 7)
     assert (res.timings.queue_s, res.timings.ttft_s, res.timings.total_s) == (0.01, 0.02, 0.05)
-    assert res.to_dict()["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert res.to_dict()["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                                      "prompt_tokens_details": {"cached_tokens": 0}}
     assert h.done and h.finish_reason == "length" and list(h) == []
 
 

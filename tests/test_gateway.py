@@ -115,6 +115,20 @@ def test_batch_prompts_and_token_ids(oai):
     assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1]
 
 
+def test_cached_prompt_tokens_in_usage(oai):
+    """A repeated 40-token prompt: the second finds 2 pages of 16 in the worker's prefix cache,
+    reported where OpenAI puts it; a different cache_salt shares nothing."""
+    prompt = list(range(100, 140))
+    first = oai.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    again = oai.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    salted = oai.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                    extra_body={"cache_salt": "tenant-b"})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 32 and again.usage.prompt_tokens == 40
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].text == first.choices[0].text == salted.choices[0].text
+
+
 @pytest.mark.parametrize("kwargs, status, param", [
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"max_tokens": 100_000}, 400, "max_tokens"),
@@ -234,7 +248,7 @@ def test_non_streaming_disconnect_cancels(gateway, redis_url, r):
 def test_fields_sent_to_the_queue(idle_gateway, prefix, r):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7,
             "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": "END", "top_k": 4, "ignore_eos": True,
-            "timeout_s": 30, "user": "someone", "frequency_penalty": 0}
+            "timeout_s": 30, "user": "someone", "frequency_penalty": 0, "cache_salt": "t1"}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(idle_gateway + "/v1/chat/completions", json=body, headers={"X-Priority": "high"}, timeout=0.7)
     k = Keys(prefix)
@@ -243,7 +257,7 @@ def test_fields_sent_to_the_queue(idle_gateway, prefix, r):
     rid = f.pop("id")
     assert f == {"messages": '[{"role": "user", "content": "hi"}]', "max_tokens": "7", "temperature": "0.5",
                  "top_p": "0.9", "seed": "3", "stop": '["END"]', "top_k": "4", "ignore_eos": "true",
-                 "timeout_s": "30.0"}
+                 "timeout_s": "30.0", "cache_salt": "t1"}
     # The hang-up cancelled it.
     wait_for(lambda: [parse_control(x) for _, x in r.xrange(k.control)] == [("cancel", rid)], 10, what="cancel")
     # /v1/completions defaults to OpenAI's 16 tokens; the body's priority wins over the header.

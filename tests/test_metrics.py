@@ -179,6 +179,29 @@ def test_preemptions_are_counted(r, prefix, worker_factory):
     assert value(m, "tokenq:inter_token_latency_seconds_count") == 3 * 11
 
 
+def test_prefix_cache_is_counted(r, prefix, worker_factory):
+    """The same 40-token prompt twice, one after the other: the second finds 2 full pages of 16
+    cached (its last token is always computed), as vLLM counts queries and hits, in tokens."""
+    port = free_port()
+    w = worker_factory(prefix, args=["--metrics-port", str(port), "--metrics-host", "127.0.0.1", "--heartbeat-s", "0.2"])
+    prompt = json.dumps(list(range(10, 50)))
+    dones = []
+    for i in range(2):
+        r.xadd(f"{prefix}:requests:normal", {"id": f"pc{i}", "input_ids": prompt, "max_tokens": "3", "temperature": "0",
+                                             "ignore_eos": "1"})
+        dones.append(read_result(r, f"{prefix}:result:pc{i}")[2])
+    assert [(d["finish_reason"], d["prompt_tokens"], d["cached_tokens"]) for d in dones] == [("length", "40", "0"),
+                                                                                          ("length", "40", "32")]
+    hb = wait_for(lambda: (h := r.hgetall(f"{prefix}:worker:{w.name}")) and h.get(b"prefix_cache_hits") == b"32" and h,
+                  what="a heartbeat after both requests")
+    assert hb[b"prefix_cache_queries"] == b"80"
+    m = scrape(f"http://127.0.0.1:{port}/metrics")
+    assert value(m, "tokenq:prefix_cache_queries_total") == 80
+    assert value(m, "tokenq:prefix_cache_hits_total") == 32
+    assert value(m, "tokenq:prefill_tokens_computed_total") == 80 - 32
+    assert value(m, "tokenq:prompt_tokens_total") == 80
+
+
 def test_port_in_use_is_a_clear_error(prefix, redis_url, tiny_model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

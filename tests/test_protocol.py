@@ -88,6 +88,16 @@ def test_payload_msgpack_map():
     assert req.params.max_tokens == 3 and req.params.temperature == 0 and req.params.ignore_eos and req.params.stop == ["x"]
 
 
+def test_cache_salt_is_an_optional_string():
+    assert parse({"prompt": "x"}).params.cache_salt is None
+    assert parse({"prompt": "x", "cache_salt": "tenant-7"}).params.cache_salt == "tenant-7"
+    assert parse({"payload": msgpack.packb({"prompt": "x", "cache_salt": "t"})}).params.cache_salt == "t"
+    req = Request(id="r1", reply_to="tq:result:r1", params=SamplingParams(cache_salt="tenant 7 \u00e9"), prompt="hi")
+    assert req.to_fields()["cache_salt"] == "tenant 7 \u00e9" and parse(req.to_fields()).params == req.params
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt=7)
+
+
 def test_round_trip_to_fields():
     req = Request(id="r1", reply_to="tq:result:r1", params=SamplingParams(max_tokens=9, temperature=0, stop=["a"], seed=3, ignore_eos=True),
                   prompt="hello", timeout_s=1.5)
@@ -123,6 +133,9 @@ def test_round_trip_to_fields():
     ({"prompt": "x", "stop": "[1, 2]"}, "stop strings"),
     ({"prompt": "x", "stop": json.dumps(["a"] * 17)}, "at most 16"),
     ({"prompt": "x", "ignore_eos": "maybe"}, "ignore_eos must be a boolean"),
+    ({"prompt": "x", "cache_salt": ""}, "cache_salt must be a string of 1 to 256"),
+    ({"prompt": "x", "cache_salt": "s" * 257}, "cache_salt must be a string"),
+    ({"prompt": "x", "cache_salt": b"\xff"}, "cache_salt is not valid UTF-8"),
     ({"prompt": "x", "timeout_s": "0"}, "timeout_s must be in"),
     ({"prompt": "x", "id": "bad id with spaces"}, "id must be"),
     ({"prompt": "x", "id": "a\x00b"}, "id must be"),
@@ -145,7 +158,7 @@ def test_error_knows_where_to_reply():
 
 
 @given(st.dictionaries(st.sampled_from(["prompt", "input_ids", "messages", "max_tokens", "temperature", "top_p", "top_k",
-                                        "seed", "stop", "ignore_eos", "id", "reply_to", "timeout_s", "payload", "x"]),
+                                        "seed", "stop", "ignore_eos", "cache_salt", "id", "reply_to", "timeout_s", "payload", "x"]),
                        st.one_of(st.binary(max_size=64), st.text(max_size=64).map(str.encode))))
 def test_fuzz_never_crashes(fields):
     try:
@@ -172,6 +185,12 @@ def test_result_entries_round_trip():
     assert (d.type, d.finish_reason, d.prompt_tokens, d.completion_tokens, d.queue_s, d.ttft_s, d.final) == ("done", "length", 4, 2, 0.5, None, True)
     e = decode_result(error_entry("r", "too_long", "no"))
     assert (e.type, e.code, e.message, e.final) == ("error", "too_long", "no", True)
+    c = decode_result(done_entry("r", "stop", prompt_tokens=40, completion_tokens=2, queue_s=0, ttft_s=0.1, total_s=1.0,
+                                 cached_tokens=32))
+    assert (c.prompt_tokens, c.cached_tokens) == (40, 32) and d.cached_tokens == 0
+    old = {k: v for k, v in done_entry("r", "stop", prompt_tokens=4, completion_tokens=2, queue_s=0, ttft_s=None,
+                                       total_s=1.0).items() if k != "cached_tokens"}
+    assert decode_result(old).cached_tokens == 0  # a done entry of an older worker
 
 
 def test_control():

@@ -12,6 +12,10 @@ One decision per waiting request, judged in tokens (pages), not in request count
 Policies: ``optimistic`` asks for the pages of the tokens it has (prompt, plus output
 kept across a preemption) and a small watermark, grows on demand and may be preempted
 later; ``reserve`` asks for prompt + max_tokens up front and is never preempted.
+
+With prefix caching, pages of its prefix that running sequences hold already cost nothing
+(``held``): it shares them. Cached pages nobody holds count as free, so taking one costs
+a page like any other.
 """
 
 from __future__ import annotations
@@ -41,14 +45,16 @@ class Verdict:
 ADMIT = Verdict(Decision.ADMIT)
 
 
-def pages_to_admit(seq: Sequence, cfg: EngineConfig, page_size: int) -> int:
-    """Pages the sequence must be given (or promised) to be admitted."""
+def pages_to_admit(seq: Sequence, cfg: EngineConfig, page_size: int, held: int = 0) -> int:
+    """Pages the sequence must be given (or promised) to be admitted, ``held`` of its prefix
+    pages being shared with running sequences."""
     if cfg.admission_policy == "reserve":
-        return pages_for(seq.num_prompt_tokens + seq.params.max_tokens, page_size)
-    return pages_for(seq.num_tokens, page_size)
+        return pages_for(seq.num_prompt_tokens + seq.params.max_tokens, page_size) - held
+    return pages_for(seq.num_tokens, page_size) - held
 
 
-def decide(seq: Sequence, alloc: BlockAllocator, cfg: EngineConfig, max_model_len: int, num_running: int) -> Verdict:
+def decide(seq: Sequence, alloc: BlockAllocator, cfg: EngineConfig, max_model_len: int, num_running: int,
+           held: int = 0) -> Verdict:
     total = seq.num_prompt_tokens + seq.params.max_tokens
     if total > max_model_len:
         return Verdict(
@@ -57,7 +63,7 @@ def decide(seq: Sequence, alloc: BlockAllocator, cfg: EngineConfig, max_model_le
             f"exceeds the limit of {max_model_len} tokens (model length and KV cache)",
             TOO_LONG,
         )
-    need = pages_to_admit(seq, cfg, alloc.page_size)
+    need = pages_to_admit(seq, cfg, alloc.page_size, held)
     # An empty engine admits whatever can fit at all: headroom rules must never stall progress.
     if num_running == 0:
         return ADMIT if need <= alloc.num_available else Verdict(Decision.DEFER, "pages not free")

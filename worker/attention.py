@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import transformers
 import transformers.masking_utils
 
-from worker import fallback
+from worker import fallback, shared_pages
 
 NAME = fallback.NAME
 # a list while the start-up probe records the attention calls (worker/probe.py)
@@ -36,13 +36,16 @@ class StepMeta:
     belong to no decoding sequence are masked out), or the decoding sequences' own pages
     gathered (``dec_src``: their page numbers), whichever touches less memory. For each
     decode page: the decode it belongs to (``dec_acc``; ``n_dec`` for none), and the position
-    of each of its slots in that sequence (``dec_pos``).
+    of each of its slots in that sequence (``dec_pos``). Pages several decodes share (a
+    cached prefix) are not among them: ``dec_shared`` holds those, read once for all their
+    holders (worker/shared_pages.py).
     """
 
     __slots__ = ("k", "v", "write_pages", "write_offs", "n_dec", "dec_src", "dec_hi", "dec_acc", "dec_qrow", "dec_pos",
-                 "dec_ctx", "prefills", "_masks")
+                 "dec_ctx", "prefills", "_masks", "dec_shared")
 
-    def __init__(self, k, v, write_pages, write_offs, n_dec, dec_src, dec_hi, dec_acc, dec_pos, dec_ctx, prefills):
+    def __init__(self, k, v, write_pages, write_offs, n_dec, dec_src, dec_hi, dec_acc, dec_pos, dec_ctx, prefills,
+                 dec_shared=()):
         self.k, self.v = k, v  # [layers, pages, kv_heads, page_size, head_dim]
         self.write_pages, self.write_offs = write_pages, write_offs  # [T] each
         self.n_dec = n_dec
@@ -54,6 +57,7 @@ class StepMeta:
         self.dec_ctx = dec_ctx  # [Np] context length of the page's decode, its own token included (0: none)
         self.prefills = prefills  # [(first row, end row, tokens already cached, page tensor)]
         self._masks: dict[tuple, torch.Tensor] = {}
+        self.dec_shared = dec_shared  # [shared_pages.SharedGroup]
 
     def decode_bias(self, window: int | None, kvh: int, dtype: torch.dtype) -> torch.Tensor:
         """[Np * kvh, 1, page_size]: 0 where a decode page's slot is attended, -inf where not."""
@@ -172,18 +176,26 @@ def _decode(q, kc, vc, meta: StepMeta, window, scaling, softcap=None, sinks=None
     else:  # soft-capped before the mask
         s = torch.tanh_(torch.bmm(*qk).mul_(scaling / softcap)).mul_(softcap).add_(bias)
     s = s.view(Np, kvh, g, ps)
+    q4 = q.reshape(n, kvh, g, D)
+    shared = [(grp, shared_pages.scores(q4, kc, grp, window, scaling, softcap)) for grp in meta.dec_shared]
     # softmax over each sequence's slots, across its pages: subtract the sequence's max
     m = s.new_full((n + 1, kvh, g), float("-inf"))
     if sinks is not None:  # a sink is one more logit of each head: in the max and the denominator
         sink = sinks.to(s.dtype).view(1, kvh, g)
         m[:n] = sink
     m.scatter_reduce_(0, acc[:, None, None].expand(Np, kvh, g), s.amax(-1), "amax")
+    for grp, s2 in shared:
+        m.scatter_reduce_(0, grp.acc[:, None, None].expand(-1, kvh, g), s2.amax(-1), "amax")
     e = torch.exp_(s.sub_(m.index_select(0, acc)[..., None]))  # pages of no decode: nan, summed into row n
     denom = s.new_zeros((n + 1, kvh, g)).index_add_(0, acc, e.sum(-1))
     if sinks is not None:
         denom[:n] += torch.exp(sink - m[:n])
     o = torch.bmm(e.view(Np * kvh, g, ps), V.reshape(Np * kvh, ps, D)).view(Np, kvh, g, D)
     num = s.new_zeros((n + 1, kvh, g, D)).index_add_(0, acc, o)
+    for grp, s2 in shared:
+        e2 = torch.exp_(s2.sub_(m.index_select(0, grp.acc)[..., None]))
+        denom.index_add_(0, grp.acc, e2.sum(-1))
+        num.index_add_(0, grp.acc, shared_pages.outputs(e2, vc, grp))
     return num[:n].div_(denom[:n, ..., None]).view(n, H, D)
 
 

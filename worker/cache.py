@@ -16,7 +16,13 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 class BlockAllocator:
-    """Free list of page numbers. Pure Python: the scheduler uses it without touching tensors.
+    """Page numbers with reference counts. Pure Python: the scheduler uses it without touching tensors.
+
+    A page is *used* while some block table holds it (its count is above zero); several tables
+    may hold one page (a shared prompt prefix). A page whose count drops to zero is *free*: if
+    it holds a full page of known content (``register`` gave it a hash, see
+    worker/prefix_cache.py) it stays cached, findable by ``lookup``, until an allocation needs
+    it, least recently freed first; other free pages are handed out before any cached one.
 
     ``reserved`` counts pages promised to running sequences (the 'reserve' admission policy)
     that they have not taken yet: they are free, but not available to anyone else.
@@ -29,47 +35,111 @@ class BlockAllocator:
         self.page_size = page_size
         # A stack: the most recently freed page is reused first (its memory is warm).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._is_free = [True] * num_pages
+        self._cached: dict[int, None] = {}  # free pages with a hash, least recently freed first
+        self._refs = [0] * num_pages
+        self._hash_of: dict[int, bytes] = {}
+        self._page_of: dict[bytes, int] = {}
         self.reserved = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages nobody holds, cached ones included (an allocation may evict those)."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_available(self) -> int:
         """Free pages not promised to anyone."""
-        return len(self._free) - self.reserved
+        return self.num_free - self.reserved
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Pages with a hash, held or free."""
+        return len(self._hash_of)
+
+    def refs(self, page: int) -> int:
+        return self._refs[page]
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"asked for {n} pages, {len(self._free)} free")
-        pages = self._free[len(self._free) - n:]
-        del self._free[len(self._free) - n:]
+        """``n`` pages, each held once; plain free pages first, then cached ones, oldest first."""
+        if n > self.num_free:
+            raise MemoryError(f"asked for {n} pages, {self.num_free} free")
+        k = min(n, len(self._free))
+        pages = self._free[len(self._free) - k:]
+        del self._free[len(self._free) - k:]
+        for _ in range(n - k):
+            p = next(iter(self._cached))
+            del self._cached[p]
+            del self._page_of[self._hash_of.pop(p)]
+            pages.append(p)
         for p in pages:
-            self._is_free[p] = False
+            self._refs[p] = 1
         return pages
 
-    def free(self, pages: list[int]) -> None:
+    def share(self, pages: list[int]) -> None:
+        """Hold cached pages once more (a prefix hit); a free one leaves the free pool."""
         for p in pages:
-            if self._is_free[p]:
+            if self._refs[p] == 0:
+                del self._cached[p]  # only hashed pages are found by lookup, so it is here
+            self._refs[p] += 1
+
+    def free(self, pages: list[int]) -> None:
+        """Drop one hold of each page. Last page first, so a table's deepest pages are evicted
+        before the pages they extend (a page is of use only after its parent)."""
+        for p in reversed(pages):
+            if self._refs[p] == 0:
                 raise AssertionError(f"page {p} freed twice")
-            self._is_free[p] = True
-        self._free.extend(reversed(pages))
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                if p in self._hash_of:
+                    self._cached[p] = None
+                else:
+                    self._free.append(p)
+
+    def register(self, page: int, page_hash: bytes) -> bool:
+        """Mark a held page as holding the content ``page_hash`` names (first page wins)."""
+        if page in self._hash_of or page_hash in self._page_of:
+            return False
+        self._hash_of[page] = page_hash
+        self._page_of[page_hash] = page
+        return True
+
+    def lookup(self, page_hash: bytes) -> int | None:
+        return self._page_of.get(page_hash)
+
+    def hash_of(self, page: int) -> bytes | None:
+        return self._hash_of.get(page)
+
+    def freed_by(self, tables: list[list[int]], keep: set[int] = frozenset()) -> int:
+        """Pages that would become free if these tables were released (pages in ``keep`` not counted)."""
+        held: dict[int, int] = {}
+        for t in tables:
+            for p in t:
+                held[p] = held.get(p, 0) + 1
+        return sum(1 for p, n in held.items() if n == self._refs[p] and p not in keep)
 
     def check(self, tables: list[list[int]]) -> None:
-        """Every page is either free or owned by exactly one table; free + used = total."""
-        owned = [p for t in tables for p in t]
-        assert len(owned) == len(set(owned)), "a page is owned twice"
-        assert not any(self._is_free[p] for p in owned), "a free page is owned"
-        assert len(owned) + len(self._free) == self.num_pages, (
-            f"pages leak: {len(owned)} owned + {len(self._free)} free != {self.num_pages}"
-        )
-        assert 0 <= self.reserved <= len(self._free), "more pages reserved than free"
+        """Every page's count is the number of tables holding it; free pages are held by none;
+        cached pages are exactly the hashed free ones; free + used = total."""
+        held = [0] * self.num_pages
+        for t in tables:
+            for p in t:
+                held[p] += 1
+        free = set(self._free) | set(self._cached)
+        assert len(free) == len(self._free) + len(self._cached), "a page is free twice"
+        assert not any(held[p] for p in free), "a free page is owned"
+        for p in range(self.num_pages):
+            assert held[p] <= self._refs[p], f"page {p} owned twice (held {held[p]}, counted {self._refs[p]})"
+            assert held[p] == self._refs[p], f"pages leak: page {p} counted {self._refs[p]}, held {held[p]}"
+            assert (self._refs[p] == 0) == (p in free), f"page {p}: count {self._refs[p]} but free is {p in free}"
+        assert all(p in self._hash_of for p in self._cached), "an unhashed page is cached"
+        assert not any(p in self._hash_of for p in self._free), "a hashed page is plain free"
+        assert all(self._page_of[h] == p for p, h in self._hash_of.items()), "the hash index disagrees"
+        assert len(self._page_of) == len(self._hash_of), "the hash index disagrees"
+        assert 0 <= self.reserved <= self.num_free, "more pages reserved than free"
 
 
 class KVCache:

@@ -18,6 +18,7 @@ class EngineConfig:
     soft_limit: float = 0.9  # cache share above which only the most urgent level is admitted
     watermark: float = 0.01  # optimistic admission keeps this share of pages free for growth
     swap_pages: int | None = None  # host pool for swap preemption (None: as many as the device pool)
+    enable_prefix_caching: bool = True  # share full prompt pages across requests (worker/prefix_cache.py)
     device: str | None = None  # None: the model's device
     check_invariants: bool = True  # assert the scheduler's invariants after every schedule()
     fast_path: bool = True  # merged, prepacked linears (worker/fastpath.py); eager where it cannot apply

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.protocol import SamplingParams
-from worker import attention, fallback, fastpath, logprobs, probe, sampler, structured
+from worker import attention, fallback, fastpath, logprobs, prefix_cache, probe, sampler, structured
 from worker.admission import Decision, decide
 from worker.cache import BlockAllocator, KVCache
 from worker.config import EngineConfig
@@ -51,6 +51,7 @@ class RequestOutput:
     error: tuple[str, str] | None = None  # (code, message) when finish_reason == "error"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # all choices together
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed) when it was admitted
     metrics: RequestMetrics | None = None  # set on the final output
     index: int = 0  # the choice (of n) these tokens belong to
     choice_finish_reason: str | None = None  # set when this output ends its choice
@@ -72,6 +73,12 @@ class EngineStats:
     last_step_s: float = 0.0
     last_batch_tokens: int = 0
     admissions: dict[str, int] = field(default_factory=dict)
+    prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -289,6 +296,12 @@ class Engine:
             free_seqs=max(0, self.config.max_num_seqs - len(s.running) - len(s.waiting) - len(self._pending)),
         )
 
+    def cached_tokens(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Prompt tokens a request would find in the prefix cache now (what it would not compute)."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        return len(prefix_cache.lookup(list(prompt_token_ids), cache_salt, self.allocator)) * self.config.page_size
+
     def can_admit(self, num_prompt_tokens: int, max_tokens: int, priority: int = 1) -> Decision:
         """What admission would decide for such a request if it were next in line now."""
         probe = Sequence("", [0] * num_prompt_tokens, num_prompt_tokens, SamplingParams(max_tokens=max_tokens), priority, 0, 0.0, 0)
@@ -310,6 +323,7 @@ class Engine:
             logits, sampled, prompt = self.runner.execute(out)
             for s in out.scheduled:
                 s.seq.num_computed = s.start + s.num_tokens
+                self.scheduler.commit(s.seq)
                 if s.num_tokens > 1 or s.start < s.seq.num_prompt_tokens:
                     st.num_prompt_tokens += s.num_tokens
             for s, lo, rows in prompt:
@@ -381,6 +395,7 @@ class Engine:
             error=next((s.error for s in group if s.error), None),
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=sum(s.num_output_tokens for s in group),
+            cached_tokens=seq.cached_tokens or 0,
             index=seq.index,
             choice_finish_reason=seq.finish_reason if ended else None,
             logprobs=[lp] if lp is not None else None,
@@ -404,6 +419,8 @@ class Engine:
         st.num_running = len(self.scheduler.running)
         st.num_waiting = len(self.scheduler.waiting)
         st.admissions = {d.value: n for d, n in self.scheduler.admissions.items()}
+        st.prefix_cache_queries = self.scheduler.prefix_queries
+        st.prefix_cache_hits = self.scheduler.prefix_hits
         return st
 
     # ------------------------------------------------------------------ offline use

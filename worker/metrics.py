@@ -13,6 +13,8 @@ tokenq:num_preemptions_total                counter    sequences evicted to make
 tokenq:prompt_tokens_total                  counter    prompt tokens of requests started here
 tokenq:generation_tokens_total              counter    tokens generated
 tokenq:prefill_tokens_computed_total        counter    tokens run through prefill, recomputation included
+tokenq:prefix_cache_queries_total           counter    tokens of admitted sequences looked up in the prefix cache
+tokenq:prefix_cache_hits_total              counter    of those, tokens found cached (not computed)
 tokenq:request_success_total                counter    requests ended with a ``done`` entry, by finish_reason
 tokenq:request_errors_total                 counter    requests ended with an ``error`` entry, by code
 tokenq:admission_decisions_total            counter    admission verdicts (admit / defer / reject)
@@ -248,6 +250,10 @@ class _Collector:
             ("tokenq:generation_tokens", "Tokens generated.", st.num_generated_tokens),
             ("tokenq:prefill_tokens_computed", "Tokens run through prefill, recomputation after preemption included.",
              st.num_prompt_tokens),
+            ("tokenq:prefix_cache_queries", "Tokens of admitted sequences looked up in the prefix cache.",
+             st.prefix_cache_queries),
+            ("tokenq:prefix_cache_hits", "Tokens of admitted sequences found in the prefix cache (not computed).",
+             st.prefix_cache_hits),
             ("tokenq:requests_claimed", "Request entries taken over from dead workers.", svc.counts.get("claimed", 0)),
             ("tokenq:requests_dead_lettered", "Request entries given up after too many deliveries.",
              svc.counts.get("dead", 0)),

@@ -12,6 +12,7 @@ import itertools
 
 import torch
 
+from worker import shared_pages
 from worker.attention import StepMeta
 from worker.cache import KVCache
 from worker.logprobs import prompt_span
@@ -113,11 +114,11 @@ class ModelRunner:
             prefills.append((a, a + s.num_tokens, s.start, pages))
             a += s.num_tokens
         sample_rows = (ends - 1)[torch.tensor([s.sample for s in batch], dtype=torch.bool)]
-        meta = StepMeta(self.cache.k, self.cache.v, write_pages.to(dev), write_offs.to(dev), n_dec, *dec, prefills)
+        meta = StepMeta(self.cache.k, self.cache.v, write_pages.to(dev), write_offs.to(dev), n_dec, *dec[:5], prefills, dec[5])
         return meta, _ints(ids).to(dev), positions.to(dev), sample_rows.to(dev)
 
     def _decode_pages(self, decodes: list[ScheduledSeq], ctx: torch.Tensor):
-        """The decode pages of the step (see StepMeta): (src, hi, acc, pos, ctx per page).
+        """The decode pages of the step (see StepMeta): (src, hi, acc, pos, ctx per page, shared groups).
 
         In place over the pool's first ``hi`` pages when they are at most ``IN_PLACE_FACTOR``
         times the decodes' own pages (the pages outside any decode there are computed and
@@ -126,13 +127,18 @@ class ModelRunner:
         n = len(decodes)
         if not n:
             z = torch.zeros(0, dtype=torch.long, device=dev)
-            return None, 0, z, z.view(0, ps), z
+            return None, 0, z, z.view(0, ps), z, []
         flat_list = list(itertools.chain.from_iterable(s.seq.block_table for s in decodes))
         counts = _ints([len(s.seq.block_table) for s in decodes])
         flat = _ints(flat_list)
         acc = torch.repeat_interleave(torch.arange(n), counts)
         rank = torch.arange(len(flat_list)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        hi = max(flat_list) + 1
+        shared = []
+        if len(set(flat_list)) != len(flat_list):  # pages several decodes hold (a cached prefix): read once for all
+            keep, shared = shared_pages.split(flat, acc, rank, ctx, n, ps, dev)
+            flat, acc, rank = flat[keep], acc[keep], rank[keep]
+            flat_list = flat.tolist()
+        hi = max(flat_list, default=-1) + 1
         if hi <= IN_PLACE_FACTOR * len(flat_list):
             src = None
             acc_r = torch.full((hi,), n, dtype=torch.long)
@@ -144,4 +150,4 @@ class ModelRunner:
             src = flat.to(dev)
         pos = rank[:, None] * ps + torch.arange(ps)[None, :]
         ctx_p = torch.cat([ctx, ctx.new_zeros(1)])[acc]
-        return src, hi, acc.to(dev), pos.to(dev), ctx_p.to(dev)
+        return src, hi, acc.to(dev), pos.to(dev), ctx_p.to(dev), shared

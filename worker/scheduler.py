@@ -21,6 +21,12 @@ Order is (priority, arrival). A preempted request keeps its arrival number, so i
 back to its place in the queue rather than behind later arrivals of its priority.
 Eviction frees the victim's pages: ``recompute`` re-prefills prompt + output later,
 ``swap`` copies its pages to a host pool and back.
+
+With prefix caching (worker/prefix_cache.py) an admitted sequence first takes the cached
+pages matching its prefix and computes only the rest; pages are shared by count, so
+releasing a sequence frees only the pages nobody else holds, and its full pages stay cached
+(free, evictable) for later requests, its own readmission after a recompute preemption
+included.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import bisect
 import logging
 from dataclasses import dataclass, field
 
+from worker import prefix_cache
 from worker.admission import Decision, Verdict, decide, pages_to_admit
 from worker.cache import BlockAllocator, pages_for
 from worker.config import EngineConfig
@@ -68,6 +75,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.admissions = {d: 0 for d in Decision}
+        self.caching = cfg.enable_prefix_caching
+        self.prefix_queries = 0  # tokens of sequences admitted while caching (vLLM's prefix-cache queries)
+        self.prefix_hits = 0  # of those, tokens found in the cache
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -100,6 +110,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.alloc.free(seq.block_table)
         seq.block_table = []
+        seq.num_committed_pages = 0
         self.alloc.reserved -= seq.reserved_pages
         seq.reserved_pages = 0
         if seq.host_pages is not None:
@@ -109,7 +120,39 @@ class Scheduler:
 
     def pages_waiting(self) -> int:
         """Pages the waiting queue will ask for when admitted (what the service must not overfill)."""
-        return sum(pages_to_admit(s, self.cfg, self.alloc.page_size) for s in self.waiting)
+        return sum(pages_to_admit(s, self.cfg, self.alloc.page_size, self._held(s)) for s in self.waiting)
+
+    # ------------------------------------------------------------------ prefix caching
+
+    def _hits(self, seq: Sequence) -> list[int]:
+        """Cached pages a waiting sequence would start from (none when swapped out: its own come back)."""
+        if not self.caching or seq.host_pages is not None or seq.block_table:
+            return []
+        if seq.params.prompt_logprobs is not None and not seq.num_output_tokens and not seq.index:
+            return []  # its prompt is scored, so every prompt position must be computed (as vLLM does)
+        return prefix_cache.match(seq, self.alloc)
+
+    def _held(self, seq: Sequence) -> int:
+        return sum(1 for p in self._hits(seq) if self.alloc.refs(p) > 0)
+
+    def _take_hits(self, seq: Sequence) -> None:
+        """Start an admitted sequence from its cached prefix pages; count the query and the hit."""
+        if not self.caching or seq.host_pages is not None:
+            return
+        hits = self._hits(seq)
+        self.alloc.share(hits)
+        seq.block_table = hits
+        seq.num_committed_pages = len(hits)
+        seq.num_computed = len(hits) * self.alloc.page_size
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += seq.num_computed
+        if seq.cached_tokens is None:
+            seq.cached_tokens = min(seq.num_computed, seq.num_prompt_tokens)
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step computed ``seq``'s tokens: name its newly full pages for later matches."""
+        if self.caching:
+            prefix_cache.commit(seq, self.alloc)
 
     # ------------------------------------------------------------------ the step
 
@@ -146,7 +189,7 @@ class Scheduler:
         """Admission verdict, counting pages/slots promised earlier in this step as taken."""
         self.alloc.reserved += pending_pages  # borrow the reservation counter as "promised"
         try:
-            return decide(seq, self.alloc, self.cfg, self.max_model_len, len(self.running) + pending_seqs)
+            return decide(seq, self.alloc, self.cfg, self.max_model_len, len(self.running) + pending_seqs, self._held(seq))
         finally:
             self.alloc.reserved -= pending_pages
 
@@ -162,16 +205,18 @@ class Scheduler:
             verdict = self._decide(w, promised_pages, promised_seqs)
             if verdict.decision is Decision.REJECT:
                 continue  # cannot happen: step 1 ended those
-            need = pages_to_admit(w, self.cfg, self.alloc.page_size)
             if not self._fits(w, promised_pages, promised_seqs):
                 # Evict only if evicting every strictly-lower-priority sequence would be enough:
                 # partial evictions that still leave it waiting would only waste their work.
-                freed = sum(len(v.block_table) for v in victims)
+                # Pages others share, or that ``w`` would share itself, free nothing for it.
+                freed = self.alloc.freed_by([v.block_table for v in victims], keep=set(self._hits(w)))
                 if not victims or not self._fits(w, promised_pages - freed, promised_seqs - len(victims)):
                     return
-                while not self._fits(w, promised_pages, promised_seqs):
+                while victims and not self._fits(w, promised_pages, promised_seqs):
                     self._preempt(victims.pop(0), out, preempted, why=f"priority: {w.request_id} (p{w.priority}) waits")
-            promised_pages += need
+                if not self._fits(w, promised_pages, promised_seqs):
+                    return
+            promised_pages += pages_to_admit(w, self.cfg, self.alloc.page_size, self._held(w))
             promised_seqs += 1
 
     def _advance_running(self, out: SchedulerOutput, budget: int, preempted: set[int]) -> int:
@@ -228,8 +273,9 @@ class Scheduler:
                 log.debug("defer %s: %s", seq.request_id, verdict.reason)
                 return
             self.waiting.pop(0)
+            self._take_hits(seq)
             if self.cfg.admission_policy == "reserve":
-                seq.reserved_pages = pages_to_admit(seq, self.cfg, self.alloc.page_size)
+                seq.reserved_pages = pages_to_admit(seq, self.cfg, self.alloc.page_size, len(seq.block_table))
                 self.alloc.reserved += seq.reserved_pages
             if seq.host_pages is not None:  # swapped out earlier: bring its pages back
                 assert self.host_alloc is not None
@@ -264,6 +310,7 @@ class Scheduler:
             out.swap_out[1].extend(seq.host_pages)
             self.alloc.free(seq.block_table)
             seq.block_table = []
+            seq.num_committed_pages = 0
             self.alloc.reserved -= seq.reserved_pages
             seq.reserved_pages = 0
             mode = "swap"
@@ -297,6 +344,10 @@ class Scheduler:
         for s in out.scheduled:
             assert s.seq.status is Status.RUNNING and s.num_tokens > 0
         self.alloc.check([s.block_table for s in self.running])
+        for seq in self.running:  # a named page holds what its name says: this sequence's tokens there
+            for i, page in enumerate(seq.block_table[:seq.num_committed_pages]):
+                h = self.alloc.hash_of(page)
+                assert h is None or h == seq.page_hashes[i], f"{seq.request_id}: page {i} is named for other tokens"
         assert sum(s.reserved_pages for s in self.running) == self.alloc.reserved, "reservations do not add up"
         if self.host_alloc is not None:
             self.host_alloc.check([s.host_pages for s in self.waiting if s.host_pages is not None])

@@ -31,6 +31,9 @@ class Sequence:
     host_pages: list[int] | None = None  # set while swapped out
     reserved_pages: int = 0  # pages promised under the 'reserve' policy but not taken yet
     num_preemptions: int = 0
+    page_hashes: list[bytes] = field(default_factory=list)  # names of its first full pages (prefix caching)
+    num_committed_pages: int = 0  # pages of block_table named in the allocator's index so far
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -44,6 +44,7 @@ def done_entry(
     ttft_s: float | None,
     total_s: float,
     finish_reasons: list[str] | None = None,
+    cached_tokens: int = 0,
 ) -> dict[str, str]:
     """The final entry; with n > 1, ``finish_reason`` is choice 0's, ``finish_reasons`` all of
     them, and completion_tokens counts every choice."""
@@ -55,6 +56,7 @@ def done_entry(
         "finish_reason": finish_reason,
         "prompt_tokens": str(prompt_tokens),
         "completion_tokens": str(completion_tokens),
+        "cached_tokens": str(cached_tokens),
         "queue_s": f"{queue_s:.6f}",
         "ttft_s": "" if ttft_s is None else f"{ttft_s:.6f}",
         "total_s": f"{total_s:.6f}",
@@ -83,6 +85,7 @@ class ResultEntry:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the worker found in its prefix cache
     queue_s: float | None = None
     ttft_s: float | None = None
     total_s: float | None = None
@@ -113,6 +116,7 @@ def decode_result(fields: Mapping[Any, Any]) -> ResultEntry:
             finish_reason=f.get("finish_reason"),
             prompt_tokens=int(f.get("prompt_tokens") or 0),
             completion_tokens=int(f.get("completion_tokens") or 0),
+            cached_tokens=int(f.get("cached_tokens") or 0),
             queue_s=opt("queue_s"),
             ttft_s=opt("ttft_s"),
             total_s=opt("total_s"),

@@ -34,6 +34,8 @@ class Heartbeat:
     served: int
     started: float  # Unix time the worker started
     stopping: bool
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
     def to_fields(self) -> dict[str, str | int]:
         out: dict[str, str | int] = {}

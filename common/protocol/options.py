@@ -42,6 +42,7 @@ class RequestOptions(TypedDict, total=False):
     logit_bias: Mapping[int, float] | None
     structured_outputs: Mapping[str, Any] | None  # exactly one of json, json_object, regex, choice, grammar
     response_format: Mapping[str, Any] | None  # OpenAI's; becomes structured_outputs
+    cache_salt: str | None
     priority: str | int
     timeout_s: float | None
     id: str | None

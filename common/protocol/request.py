@@ -32,6 +32,7 @@ from common.protocol.fields import (
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 INPUTS = ("prompt", "input_ids", "messages")  # exactly one of them
+MAX_SALT_CHARS = 256
 
 
 @dataclass
@@ -56,6 +57,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens are out
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured_outputs: dict[str, Any] | None = None  # one of json, json_object, regex, choice, grammar
+    cache_salt: str | None = None  # requests share cached prompt pages only with requests of the same salt
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +73,8 @@ class SamplingParams:
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be integers >= 0")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
         outputs.check_params(self)
+        check(self.cache_salt is None or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_SALT_CHARS),
+              "cache_salt", f"must be a string of 1 to {MAX_SALT_CHARS} characters")
 
     @property
     def greedy(self) -> bool:
@@ -243,6 +247,8 @@ def _sampling(f: dict[str, Any], limits: Limits) -> SamplingParams:
     if "ignore_eos" in f:
         p["ignore_eos"] = boolean("ignore_eos", f["ignore_eos"])
     outputs.parse(f, p)
+    if "cache_salt" in f:
+        p["cache_salt"] = text("cache_salt", f["cache_salt"])
     if "max_tokens" not in p and SamplingParams.max_tokens > limits.max_tokens:
         p["max_tokens"] = limits.max_tokens  # the default, within a lower cap
     return SamplingParams(**p)

@@ -80,6 +80,12 @@ def _int_text(v: Any) -> str:
     return "-" if v is None else (str(int(f)) if f is not None else str(v))
 
 
+def _hit_rate(w: dict[str, Any]) -> str:
+    """Prefix-cache hits / queries (tokens) of a heartbeat, as a percentage."""
+    q, h = _num(w.get("prefix_cache_queries")), _num(w.get("prefix_cache_hits"))
+    return f"{100 * h / q:.0f}%" if q and h is not None else "-"
+
+
 def render_status(st: dict[str, Any]) -> Any:
     from rich.console import Group
     from rich.table import Table
@@ -96,7 +102,7 @@ def render_status(st: dict[str, Any]) -> Any:
     qt.caption_justify = "left"
 
     wt = Table(title=f"workers ({len(st['workers'])} live)", title_justify="left")
-    for col in ("name", "model", "device", "KV pages free", "running", "waiting", "tok/s", "last step"):
+    for col in ("name", "model", "device", "KV pages free", "running", "waiting", "tok/s", "prefix hits", "last step"):
         wt.add_column(col, justify="left" if col in ("name", "model", "device") else "right")
     now = st["time"]
     for w in st["workers"]:
@@ -114,7 +120,7 @@ def render_status(st: dict[str, Any]) -> Any:
         name = str(w.get("name", "?")) + (" (stopping)" if str(w.get("stopping")) in ("1", "true") else "")
         wt.add_row(name, str(w.get("model", "-")), str(w.get("device", "-")), pages,
                    _int_text(w.get("running")), _int_text(w.get("waiting")),
-                   "-" if tps is None else f"{tps:.1f}", age)
+                   "-" if tps is None else f"{tps:.1f}", _hit_rate(w), age)
     if not st["workers"]:
         wt.caption = "no live worker heartbeats"
         wt.caption_justify = "left"

@@ -26,9 +26,11 @@ class Metrics:
         """Count the tokens of finished requests; their OpenAI ``usage`` object."""
         p = sum(r.usage.prompt_tokens for r in results)
         c = sum(r.usage.completion_tokens for r in results)
+        cached = sum(r.usage.cached_tokens for r in results)
         self.tokens.labels("prompt").inc(p)
         self.tokens.labels("completion").inc(c)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class MetricsMiddleware:

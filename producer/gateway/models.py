@@ -52,6 +52,7 @@ class GenerationBody(BaseModel):
     stop_token_ids: list[Any] | None = None  # extension
     ignore_eos: StrictBool | None = None  # extension
     timeout_s: Number | None = None  # extension
+    cache_salt: StrictStr | None = None  # extension (vLLM's name): prefix-cache sharing only within one salt
     priority: StrictStr | StrictInt | None = None  # extension (or the X-Priority header)
     request_id: Any = None  # extension: the tokenq request id (``-<i>`` appended per prompt of a batch)
     n: StrictInt | None = None

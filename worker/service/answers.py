@@ -73,6 +73,7 @@ def finish(svc: Service, f: InFlight, reason: str, prompt_tokens: int, completio
         ttft_s=None if first is None else max(0.0, first - f.enqueued_wall),
         total_s=max(0.0, now - f.enqueued_wall),
         finish_reasons=output.finish_reasons if output is not None and f.req.params.n > 1 else None,
+        cached_tokens=output.cached_tokens if output is not None else 0,
     ))
     svc.counts["served"] += 1
     log.info("event=done id=%s reason=%s prompt_tokens=%d completion_tokens=%d", f.req.id, reason, prompt_tokens,

@@ -42,6 +42,7 @@ def beat(svc: Service) -> None:
         waiting=st.num_waiting, tokens_per_s=svc.rate.per_s(), last_step_s=st.last_step_s,
         last_step=time.time(), steps=st.num_steps, preemptions=st.num_preemptions,
         served=svc.counts["served"], started=svc.started, stopping=svc.stopping,
+        prefix_cache_queries=st.prefix_cache_queries, prefix_cache_hits=st.prefix_cache_hits,
     )
     key = svc.keys.worker(svc.name)
     pipe = svc.r.pipeline(transaction=False)

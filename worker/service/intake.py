@@ -242,7 +242,10 @@ def _start(svc: Service, f: InFlight, ids: list[int], resume: bool) -> None:
         del svc.inflight[req.id]
         answers.answer_bad(svc, BadEntry(f.stream, f.entry_id, req.id, req.reply_to, INVALID_REQUEST, str(e)))
         return
-    est = len(ids) + (req.params.max_tokens if svc.engine.config.admission_policy == "reserve" else 0)
+    # What it will cost the cache: its prompt less what the prefix cache holds of it (so a warm
+    # worker pulls more), plus its output up front under 'reserve'.
+    est = len(ids) - svc.engine.cached_tokens(ids, req.params.cache_salt)
+    est += req.params.max_tokens if svc.engine.config.admission_policy == "reserve" else 0
     svc.avg_request_tokens = 0.9 * svc.avg_request_tokens + 0.1 * est
     log.debug("event=accepted id=%s prompt_tokens=%d resumed=%d", req.id, len(ids), f.resumed_tokens)
 

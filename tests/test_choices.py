@@ -84,3 +84,23 @@ def test_choices_end_on_their_own_and_abort_ends_all():
     fa = run.final("a")
     assert fa.finish_reason == "cancelled" and fa.finish_reasons == ["cancelled"] * 3
     assert sum(o.finished for o in run.outputs["a"]) == 1
+
+
+def test_choices_share_the_prompt_pages_and_a_scored_prompt_is_computed():
+    """With prefix caching, choices 1.. start from choice 0's full prompt pages; a request that
+    asks for prompt logprobs computes its whole prompt even when it is cached (each position
+    must be scored), and gets the same logprobs as when nothing was cached."""
+    model, ref = pair()
+    prompt = random_prompts(random.Random(11), 1, (37, 37))[0]  # 2 full pages of 16, 5 tokens more
+    eng = make_engine(model, num_pages=64, page_size=16)
+    greedy = dict(max_tokens=6, temperature=0, ignore_eos=True)
+    run = drive(eng, {0: [("n", prompt, SamplingParams(n=3, **greedy))]})
+    assert [run.choice("n", i) for i in range(3)] == [reference(ref, prompt, 6)] * 3
+    assert eng.stats.prefix_cache_hits >= 2 * 32  # choices 1 and 2 each found 2 pages
+    scored = SamplingParams(prompt_logprobs=2, **greedy)
+    first = drive(make_engine(model, num_pages=64, page_size=16), {0: [("a", prompt, scored)]})
+    hits_before = eng.stats.prefix_cache_hits
+    again = drive(eng, {0: [("b", prompt, scored)]})  # the prompt is cached in eng
+    assert eng.stats.prefix_cache_hits == hits_before
+    want, got = first.outputs["a"][0].prompt_logprobs, again.outputs["b"][0].prompt_logprobs
+    assert len(got) == len(prompt) and [t.logprob for t in got[1:]] == pytest.approx([t.logprob for t in want[1:]], abs=1e-12)

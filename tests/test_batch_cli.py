@@ -26,7 +26,7 @@ def run(capsys, *argv):
 def test_submit_wait_writes_the_output(worker, redis_url, capsys, tmp_path):
     prefix, _ = worker
     src = tmp_path / "in.jsonl"
-    lines = [chat_line(f"q{i}", f"question {i}") for i in range(5)] + [chat_line("bad", "x", n=3)]
+    lines = [chat_line(f"q{i}", f"question {i}") for i in range(5)] + [chat_line("bad", "x", n=17)]
     src.write_bytes(jsonl(lines))
     out_path, err_path = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     code, out, err = run(capsys, "batch", "submit", str(src), "--wait", "-o", str(out_path), "-e", str(err_path),

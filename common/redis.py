@@ -40,6 +40,23 @@ class _Backoff:
         return w
 
 
+def _stream_keys(args: tuple) -> list | None:
+    """The keys of an XREAD / XREADGROUP: the first half of what follows STREAMS.
+
+    redis-py finds the keys of these "movable keys" commands by asking the server (COMMAND
+    GETKEYS, sent to its default node): one more round trip per read, and one that fails for
+    as long as the default node is a dead master. Read them here instead."""
+    cmd = str(args[0]).upper()
+    start = {"XREAD": 1, "XREADGROUP": 4}.get(cmd)
+    if start is None:
+        return None
+    for i in range(start, len(args)):
+        if isinstance(args[i], (str, bytes)) and args[i].upper() in ("STREAMS", b"STREAMS"):
+            rest = args[i + 1:]
+            return list(rest[:len(rest) // 2])
+    return None
+
+
 class Cluster(redis.cluster.RedisCluster):
     """A RedisCluster that rides through a failover (see FAILOVER_WINDOW_S)."""
 
@@ -50,6 +67,13 @@ class Cluster(redis.cluster.RedisCluster):
                 return super().execute_command(*args, **kwargs)
             except _CLUSTER_RETRYABLE as e:
                 time.sleep(backoff.next(e))
+                # redis-py moves off a dead default node only when the command itself was sent
+                # there; an error before that (finding a command's keys) would repeat forever.
+                self.replace_default_node()
+
+    def _get_command_keys(self, *args):
+        keys = _stream_keys(args)
+        return keys if keys is not None else super()._get_command_keys(*args)
 
 
 class AsyncCluster(redis.asyncio.cluster.RedisCluster):
@@ -62,6 +86,16 @@ class AsyncCluster(redis.asyncio.cluster.RedisCluster):
                 return await super().execute_command(*args, **kwargs)
             except _CLUSTER_RETRYABLE as e:
                 await asyncio.sleep(backoff.next(e))
+                self.replace_default_node()
+
+    async def _determine_slot(self, command: str, *args):
+        keys = _stream_keys((command, *args))
+        if not keys:
+            return await super()._determine_slot(command, *args)
+        slots = {self.keyslot(k) for k in keys}
+        if len(slots) != 1:
+            raise redis.exceptions.RedisClusterException(f"{command} - all keys must map to the same key slot")
+        return slots.pop()
 
 
 def is_cluster_url(url: str, timeout: float = 5.0) -> bool:

@@ -11,7 +11,8 @@ import torch
 from tiny import tiny_model
 
 from common.protocol import SamplingParams
-from worker.engine import Engine, EngineConfig, RequestOutput
+from worker.engine import Engine, EngineConfig
+from worker.outputs import RequestOutput
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 

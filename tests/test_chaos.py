@@ -97,6 +97,7 @@ def test_frozen_worker_gives_up_what_was_claimed(r, prefix, worker_factory, refe
     wait_until(lambda: pending_total(r, prefix) == 0, 10, "pending lists to empty")
 
 
+@pytest.mark.slow  # test_service.py::test_sigterm_finishes_or_releases covers release in the default run
 def test_sigterm_releases_to_a_peer(r, prefix, worker_factory, reference):
     """Graceful stop with a short grace: what is still running is released (marked long idle) and
     a peer resumes it at once from the tokens already published: one final entry, exact output."""

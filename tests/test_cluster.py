@@ -6,6 +6,7 @@ equal transformers' own generate (float64 tiny model)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 import uuid
@@ -91,9 +92,45 @@ def test_raw_and_client_requests_served_on_a_cluster(cluster, cprefix, worker_fa
         res = client.generate(input_ids=[7, 8, 9, 10], max_tokens=12, temperature=0, ignore_eos=True, timeout=120)
     assert res.token_ids == reference([7, 8, 9, 10], 12) and res.finish_reason == "length"
     _other_producers(cluster.url, cprefix, res.text, capsys)
+    _two_choices(rc, cprefix, reference)
     tally = check_all(rc, cprefix, specs, reference)
     assert tally.ok and tally.done == len(specs) and tally.raw_resends == 0, tally
     wait_until(lambda: pending_total(rc, cprefix) == 0, 10, "pending lists to empty")
+
+
+def _two_choices(rc, prefix: str, reference) -> None:
+    """n=2 on a cluster: each choice counts its own seqs in the fence, so neither is refused
+    as a re-sent entry of the other; greedy choices both equal the reference."""
+    from helpers import _str
+
+    rc.xadd(Keys(prefix).requests("normal"), {"id": "two", "input_ids": "[7, 8, 9, 10]", "max_tokens": "9", "n": "2",
+                                              "temperature": "0", "ignore_eos": "true"})
+    key = Keys(prefix).result("two")
+    wait_until(lambda: any(f[b"type"] == b"done" for _, f in rc.xrange(key)), 60, "the n=2 request")
+    got: dict[str, list[int]] = {"0": [], "1": []}
+    for _, f in rc.xrange(key):
+        e = _str(f)
+        if e["type"] == "token":
+            assert int(e["seq"]) == len(got[e["index"]]), e
+            got[e["index"]] += json.loads(e["ids"])
+    assert got["0"] == got["1"] == reference([7, 8, 9, 10], 9), got
+
+
+def test_stream_reads_ask_no_server_for_their_keys(cluster):
+    """XREAD / XREADGROUP name their keys after STREAMS; redis-py would ask the default node
+    (COMMAND GETKEYS) on every read, one more round trip, and one that fails while that node
+    is a dead master. common.redis reads the keys itself."""
+    rc = connect(cluster.url)
+
+    def getkeys() -> int:
+        stats = [rc.info("commandstats", target_nodes=n) for n in rc.get_primaries()]
+        return sum(s.get("cmdstat_command|getkeys", {}).get("calls", 0) for s in stats)
+
+    before = getkeys()
+    for i in range(5):
+        rc.xadd(f"tq-keys-{i}", {"a": "1"})
+        assert rc.xread({f"tq-keys-{i}": "0"}, count=1)
+    assert getkeys() == before
 
 
 def _other_producers(url: str, prefix: str, text: str, capsys) -> None:

@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.protocol import SamplingParams
-from worker.engine import Engine, EngineConfig, RequestOutput
+from worker.engine import Engine, EngineConfig
 from worker.models import UnsupportedModelError
+from worker.outputs import RequestOutput
 
 
 @functools.cache

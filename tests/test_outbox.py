@@ -102,3 +102,34 @@ def test_kept_while_redis_is_down_then_written_in_order(r, prefix, wire):
     assert len(box) == 2
     box.flush(r, wire)
     assert [e[1][b"seq"] for e in r.xrange(keys.result("o"))] == [b"0", b"1"] and len(box) == 0
+
+
+def test_a_flush_is_one_round_trip_and_rides_through_a_restarted_server(prefix):
+    """The step's scripts run by EVALSHA alone (no SCRIPT EXISTS before each flush); a server
+    that lost them (restarted, or SCRIPT FLUSH) refuses them with NOSCRIPT: the outbox loads
+    them and re-sends what was refused (in its order), nothing lost."""
+    from common.local_redis import LocalRedis
+
+    server = LocalRedis().start()
+    try:
+        own = redis.Redis.from_url(server.url)
+        keys = Keys(prefix)
+        w = Wire(Scripts(own), keys, "me", 100, 60)
+        box = Outbox()
+        box.add(PublishTokens([(keys.result("o"), token_entry(0, [1], "a"))]))
+        box.flush(own, w)
+        own.config_resetstat()
+        box.add(PublishTokens([(keys.result("o"), token_entry(1, [2], "b"))]))
+        box.flush(own, w)
+        stats = own.info("commandstats")
+        assert "cmdstat_script|exists" not in stats and stats["cmdstat_evalsha"]["calls"] == 1, stats
+        own.script_flush()
+        box.add(PublishTokens([(keys.result("o"), token_entry(2, [3], "c"))]))
+        box.add(Publish(keys.result("o"), token_entry(3, [4], "d")))
+        box.add(PublishTokens([(keys.result("o"), token_entry(4, [5], "e"))]))
+        box.flush(own, w)
+        assert len(box) == 0
+        seqs = [int(e[1][b"seq"]) for e in own.xrange(keys.result("o"))]
+        assert sorted(seqs) == [0, 1, 2, 3, 4] and seqs[:2] == [0, 1], seqs
+    finally:
+        server.cleanup()

@@ -104,6 +104,7 @@ def test_restart_without_persistence_reports_loss_and_keeps_serving(prefix, loca
     wait_until(lambda: pending_total(r, prefix) == 0, 10, "empty pending lists")
 
 
+@pytest.mark.slow  # test_chaos and test_redis_restart_under_a_running_worker cover lost connections by default
 def test_connections_killed_again_and_again(prefix, local_redis, worker_factory, reference):
     server = local_redis()
     r = redis.Redis.from_url(server.url)

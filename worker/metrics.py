@@ -63,7 +63,7 @@ from common.keys import LEVELS
 from common.redis import connect
 
 if TYPE_CHECKING:
-    from worker.engine import EngineStats, RequestOutput
+    from worker.outputs import EngineStats, RequestOutput
     from worker.service import InFlight, Service
 
 log = logging.getLogger("tokenq.metrics")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.protocol import dead_entry, done_entry, error_entry, token_entry
-from worker.engine import RequestOutput
+from worker.outputs import RequestOutput
 from worker.service.inflight import InFlight
 from worker.service.outbox import Ack, DeadLetter, Finalize, Publish, PublishTokens
 

@@ -32,7 +32,8 @@ import redis
 from common.keys import Keys
 from common.redis import connect, redact_url
 from common.settings import Settings
-from worker.engine import Engine, RequestOutput
+from worker.engine import Engine
+from worker.outputs import RequestOutput
 from worker.service import answers, control, heartbeat, intake, recovery, sweeps
 from worker.service.connection import REDIS_TROUBLE, Connection, ensure_groups
 from worker.service.control import Control

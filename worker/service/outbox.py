@@ -194,8 +194,12 @@ class Outbox:
         except redis.ResponseError as e:
             log.warning("event=publish_failed ops=%d error=%r", len(ops), e)
             raise
-        at, after, finals = 0, [], []
+        at, after, finals, noscript = 0, [], [], []
         for op, n in zip(ops, counts):
+            if any(isinstance(res, redis.exceptions.NoScriptError) for res in results[at:at + n]):
+                noscript.append(op)  # refused whole (a script is its only command): load and re-send
+                at += n
+                continue
             op.report(results[at:at + n])
             if cluster and isinstance(op, Finalize) and (nxt := op.then(results[at:at + n])) is not None:
                 after.append(nxt)
@@ -203,7 +207,11 @@ class Outbox:
             at += n
         if finals and w.replica_wait_ms > 0:
             wait_replicas(r, finals, w.replica_wait_ms)
-        return after
+        if noscript:
+            log.warning("event=scripts_reloaded ops=%d reason='NOSCRIPT: the server restarted or was flushed'",
+                        len(noscript))
+            w.scripts.load(r)
+        return noscript + after
 
 
 def wait_replicas(r: Any, keys: list[str], timeout_ms: int) -> None:

@@ -5,6 +5,8 @@ act on the same entry in between.
 
 from __future__ import annotations
 
+import hashlib
+
 from typing import Any
 
 import redis
@@ -161,13 +163,14 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
-# KEYS: result stream, fence. ARGV: owner, seq, number of ids, maxlen, ttl, fields...
+# KEYS: result stream, fence. ARGV: owner, seq, number of ids, maxlen, ttl, the fence field
+# that holds the choice's next seq ('next', or 'next:<index>' for choice index > 0 of n), fields...
 # 1 written; 0 refused (another owner, finished, or a seq already written: a re-sent flush);
 # 3 written after a gap: the fence (replicated with the stream, in the same script) says
 # entries before this seq were lost, e.g. by a failover to a replica that lagged. No fence
 # at all (lost the same way): adopted, as a claim would.
 FENCED_TOKENS = """
-local f = redis.call('HMGET', KEYS[2], 'owner', 'next', 'done')
+local f = redis.call('HMGET', KEYS[2], 'owner', ARGV[6], 'done')
 if not f[1] then
   redis.call('HSET', KEYS[2], 'owner', ARGV[1])
 elseif f[1] ~= ARGV[1] or f[3] then
@@ -176,9 +179,9 @@ end
 local seq = tonumber(ARGV[2])
 local nxt = tonumber(f[2] or '0')
 if seq < nxt then return 0 end
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 6))
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 7))
 redis.call('EXPIRE', KEYS[1], ARGV[5])
-redis.call('HSET', KEYS[2], 'next', seq + tonumber(ARGV[3]))
+redis.call('HSET', KEYS[2], ARGV[6], seq + tonumber(ARGV[3]))
 redis.call('EXPIRE', KEYS[2], ARGV[5])
 if seq > nxt then return 3 end
 return 1
@@ -236,8 +239,9 @@ class Scripts:
     def __init__(self, r: redis.Redis):
         self.cluster = is_cluster(r)
         run = _Eval if self.cluster else r.register_script
-        self._finalize = run(FINALIZE)
-        self._publish_tokens = run(PUBLISH_TOKENS)
+        hot = _Eval if self.cluster else _Sha
+        self._finalize = hot(FINALIZE)  # the two of every step's flush (worker/service/outbox.py)
+        self._publish_tokens = hot(PUBLISH_TOKENS)
         self._touch = run(TOUCH)
         self._unread = run(UNREAD)
         self._expire_unread = run(EXPIRE_UNREAD)
@@ -246,15 +250,24 @@ class Scripts:
         self._fenced_final = run(FENCED_FINAL)
         self._delete_unread = run(DELETE_UNREAD)
 
+    def load(self, r: redis.Redis) -> None:
+        """Load the step's scripts (after a NOSCRIPT: the server restarted or was flushed)."""
+        for script in (self._finalize, self._publish_tokens):
+            if isinstance(script, _Sha):
+                r.script_load(script.script)
+
     def fence_take(self, c: Client, *, fence: str, reply_to: str, owner: str, claim: bool, ttl_s: int) -> Any:
         """Make ``owner`` the fence's owner (``claim``: always; else only if nobody is); 1 or 0."""
         return self._fence_take(keys=[fence, reply_to], args=[owner, "claim" if claim else "take", ttl_s], client=c)
 
     def fenced_tokens(self, c: Client, *, reply_to: str, fence: str, owner: str, seq: int, n_ids: int, maxlen: int,
                       ttl_s: int, entry: dict[str, str]) -> Any:
-        """One token entry, only while ``owner`` holds the fence and ``seq`` is new; 1 or 0."""
-        return self._fenced_tokens(keys=[reply_to, fence], args=[owner, seq, n_ids, maxlen, ttl_s, *_flat(entry)],
-                                   client=c)
+        """One token entry, only while ``owner`` holds the fence and ``seq`` is new for its
+        choice (each of n choices counts its own seqs); 1, 0 or 3 (written after a gap)."""
+        index = int(entry.get("index", 0))
+        field = "next" if index == 0 else f"next:{index}"
+        return self._fenced_tokens(keys=[reply_to, fence],
+                                   args=[owner, seq, n_ids, maxlen, ttl_s, field, *_flat(entry)], client=c)
 
     def fenced_final(self, c: Client, *, reply_to: str, fence: str, owner: str, maxlen: int, ttl_s: int,
                      entry: dict[str, str]) -> Any:
@@ -302,6 +315,24 @@ class Scripts:
             args += [entry_id, len(flat), *flat]
         done = self._expire_unread(keys=[stream, *[k for _, k, _ in finals]], args=args, client=c)
         return [_s(i) for i in done or []]
+
+
+class _Sha:
+    """A script run by EVALSHA alone. redis-py's registered scripts, queued on a pipeline, make
+    its execute() send SCRIPT EXISTS first: one more round trip on every step's flush. Here a
+    NOSCRIPT (a restarted or flushed server) is answered instead: a direct call loads the
+    script and runs it again; the outbox re-sends the operations it refused (Outbox._flush_once)."""
+
+    def __init__(self, script: str):
+        self.script = script
+        self.sha = hashlib.sha1(script.encode()).hexdigest()
+
+    def __call__(self, keys: list[str], args: list[Any], client: Client) -> Any:
+        try:
+            return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:  # a direct call (a pipeline's errors come with execute())
+            client.script_load(self.script)
+            return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
 
 class _Eval:

@@ -6,7 +6,6 @@ act on the same entry in between.
 from __future__ import annotations
 
 import hashlib
-
 from typing import Any
 
 import redis

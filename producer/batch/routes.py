@@ -20,9 +20,9 @@ from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
 
 from common.keys import LEVELS, priority_of
-from common.redis import connect_async
+from common.redis import connect_async, is_cluster
 from common.settings import Settings
-from producer.batch.store import Store, StoreError
+from producer.batch.store import CLUSTER_REFUSAL, Store, StoreError
 from producer.gateway.errors import APIError, bad
 from producer.gateway.state import check_auth, json_body
 
@@ -30,7 +30,10 @@ UPLOAD_SLACK = 64 * 1024  # multipart framing around the file, allowed over the 
 
 
 def store_of(request: Request) -> Store:
-    return request.app.state.batch_store
+    store = request.app.state.batch_store
+    if store is None:
+        raise APIError(501, CLUSTER_REFUSAL, "invalid_request_error", None, "cluster_unsupported")
+    return store
 
 
 async def _call(coro: Any) -> Any:
@@ -48,6 +51,13 @@ async def lifespan(app: Any) -> AsyncIterator[None]:
 
     settings: Settings = app.state.settings
     r = connect_async(settings.redis_url)
+    if is_cluster(r):  # the Batch API answers 501 (store_of); the rest of the gateway serves
+        app.state.batch_store = None
+        try:
+            yield
+        finally:
+            await r.aclose()
+        return
     app.state.batch_store = Store.of(r, settings)
     runner = BatchRunner(r, settings, metrics=getattr(app.state, "metrics", None))
     runner.start()

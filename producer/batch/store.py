@@ -17,11 +17,18 @@ from typing import Any
 import redis.asyncio
 
 from common.keys import Keys
+from common.redis import is_cluster
 from common.settings import Settings
 from producer.batch import records, scripts
 from producer.batch.records import decode_hash
 
 PUSH_CHUNK = 1000  # lines per RPUSH / LRANGE
+
+
+# A batch's feed script queues a line's request entries and advances the batch's record in one
+# step (so a line is fed once); on a Redis Cluster those keys live in different slots.
+CLUSTER_REFUSAL = ("batch jobs need a single Redis server, not a Redis Cluster (a line's request entries and the "
+                   "batch's record are written in one script): see docs/protocol.md, 'Batch jobs'")
 
 
 class StoreError(Exception):
@@ -39,6 +46,8 @@ class Store:
 
     @classmethod
     def of(cls, r: redis.asyncio.Redis, settings: Settings) -> Store:
+        if is_cluster(r):
+            raise StoreError(501, CLUSTER_REFUSAL, code="cluster_unsupported")
         return cls(r, Keys(settings.prefix), ttl_s=settings.batch_ttl_s, max_file_bytes=settings.batch_max_file_bytes,
                    model_name=settings.model_name)
 

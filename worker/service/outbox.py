@@ -17,7 +17,7 @@ import redis
 
 from common.keys import Keys, fence_key
 from common.protocol.entries import DEAD_MAXLEN
-from worker.service.scripts import Scripts
+from worker.service.scripts import Scripts, next_field
 
 log = logging.getLogger("tokenq.service")
 
@@ -55,9 +55,12 @@ class Publish:
 
 @dataclass
 class PublishTokens:
-    """One step's token entries, one per result stream, as one script call."""
+    """One step's token entries, one per result stream, as one script call (on a cluster, one
+    fenced call per entry)."""
 
     entries: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+    remembered: bool = False  # on a cluster: kept in Outbox.sent already (sent before, or a refill)
+    gap_ok: bool = False  # a refill that cannot cover the whole gap: write after it anyway
 
     def queue(self, pipe: Any, w: Wire) -> int:
         if not w.scripts.cluster:
@@ -65,36 +68,51 @@ class PublishTokens:
             return 1
         for key, entry in self.entries:  # one call per result stream (its slot), fenced
             w.scripts.fenced_tokens(pipe, reply_to=key, fence=fence_key(key), owner=w.consumer, seq=int(entry["seq"]),
-                                    n_ids=len(json.loads(entry["ids"])), maxlen=w.maxlen, ttl_s=w.ttl_s, entry=entry)
+                                    n_ids=len(json.loads(entry["ids"])), maxlen=w.maxlen, ttl_s=w.ttl_s, entry=entry,
+                                    gap_ok=self.gap_ok)
         return len(self.entries)
 
     def without(self, key: str) -> PublishTokens | None:
         kept = [(k, e) for k, e in self.entries if k != key]
         if len(kept) == len(self.entries):
             return self
-        return PublishTokens(kept) if kept else None
+        return PublishTokens(kept, self.remembered, self.gap_ok) if kept else None
 
     def report(self, results: list[Any]) -> None:
         _report_errors("publish_tokens", self.entries[0][0], results)
         for (key, entry), res in zip(self.entries, results if len(results) == len(self.entries) else []):
-            if res == 3:
-                log.error("event=result_gap key=%s seq=%s reason='earlier token entries lost (failover)'", key,
-                          entry["seq"])
+            if res == 4:
+                log.error("event=result_gap key=%s seq=%s reason='token entries before it were lost (failover) and "
+                          "this worker does not hold them'", key, entry["seq"])
+
+    def gaps(self, results: list[Any]) -> list[tuple[str, int, int]]:
+        """(result stream, choice, the seq the stream stopped at) of each entry refused for a gap."""
+        return [(key, _index(entry), int(res[1])) for (key, entry), res in zip(self.entries, results)
+                if isinstance(res, list) and res and res[0] == 3]
+
+
+def _index(entry: dict[str, str]) -> int:
+    return int(entry.get("index", 0))
 
 
 @dataclass
 class Finalize:
-    """A request's final entry with the XACK + XDEL of its request entry, only while it is ours."""
+    """A request's final entry with the XACK + XDEL of its request entry, only while it is ours.
+
+    On a cluster ``expect`` (set by the outbox when it is sent) holds, per fence field, the
+    seq this worker's token entries reached: the final entry is refused while any is missing."""
 
     stream: str
     entry_id: str
     reply_to: str
     entry: dict[str, str]
+    expect: dict[str, int] | None = None
+    tries: int = 0
 
     def queue(self, pipe: Any, w: Wire) -> int:
         if w.scripts.cluster:  # the result stream's half; the XACK + XDEL follow (then())
             w.scripts.fenced_final(pipe, reply_to=self.reply_to, fence=fence_key(self.reply_to), owner=w.consumer,
-                                   maxlen=w.maxlen, ttl_s=w.ttl_s, entry=self.entry)
+                                   maxlen=w.maxlen, ttl_s=w.ttl_s, entry=self.entry, expect=self.expect)
             return 1
         w.scripts.finalize(pipe, stream=self.stream, entry_id=self.entry_id, reply_to=self.reply_to,
                            group=w.keys.group, consumer=w.consumer, maxlen=w.maxlen, ttl_s=w.ttl_s, entry=self.entry)
@@ -108,6 +126,14 @@ class Finalize:
             log.warning("event=final_skipped entry=%s key=%s reason='entry owned by another worker or already answered'",
                         self.entry_id, self.reply_to)
         _report_errors("finalize", self.reply_to, results)
+
+    def gap(self, results: list[Any]) -> tuple[str, int, int] | None:
+        """(result stream, choice, seq reached) when refused for missing token entries."""
+        res = results[0]
+        if isinstance(res, list) and res and res[0] == 3:
+            name = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
+            return self.reply_to, 0 if name == "next" else int(name.split(":")[1]), int(res[2])
+        return None
 
     def then(self, results: list[Any]) -> Op | None:
         """On a cluster: the request entry's XACK + XDEL, once the final entry is out (1: now,
@@ -161,10 +187,17 @@ def _report_errors(op: str, key: str, results: list[Any]) -> None:
 
 
 class Outbox:
-    """Operations waiting to be written, in order."""
+    """Operations waiting to be written, in order.
+
+    On a cluster it also keeps every token entry it sent per result stream until the stream's
+    final entry is out: asynchronous replication may lose a master's last writes in a
+    failover, the fence tells (a gap), and the lost entries are re-sent from here."""
+
+    MAX_FINAL_TRIES = 4  # a final refused for a gap that many times goes out without the check
 
     def __init__(self) -> None:
         self.ops: list[Op] = []
+        self.sent: dict[str, list[dict[str, str]]] = {}
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -175,6 +208,7 @@ class Outbox:
     def drop(self, key: str) -> None:
         """Take out everything still to be written to the result stream ``key``."""
         self.ops = [kept for op in self.ops if (kept := op.without(key)) is not None]
+        self.sent.pop(key, None)
 
     def flush(self, r: redis.Redis, w: Wire) -> None:
         """Write everything as one transaction. Raises (and keeps every operation) when Redis is
@@ -184,9 +218,12 @@ class Outbox:
 
     def _flush_once(self, r: redis.Redis, w: Wire) -> list[Op]:
         """One round trip (one per node on a cluster, where it is no transaction); the
-        operations that must follow it (a cluster's acks after their final entries)."""
+        operations that must follow it (a cluster's acks after their final entries, entries
+        a failover lost and the finals waiting on them)."""
         ops = self.ops
         cluster = w.scripts.cluster
+        if cluster:
+            self._remember(ops)
         pipe = r.pipeline(transaction=not cluster)
         counts = [op.queue(pipe, w) for op in ops]
         try:
@@ -195,23 +232,68 @@ class Outbox:
             log.warning("event=publish_failed ops=%d error=%r", len(ops), e)
             raise
         at, after, finals, noscript = 0, [], [], []
+        gaps: dict[tuple[str, int], int] = {}
+        waiting: list[Finalize] = []
         for op, n in zip(ops, counts):
-            if any(isinstance(res, redis.exceptions.NoScriptError) for res in results[at:at + n]):
-                noscript.append(op)  # refused whole (a script is its only command): load and re-send
-                at += n
-                continue
-            op.report(results[at:at + n])
-            if cluster and isinstance(op, Finalize) and (nxt := op.then(results[at:at + n])) is not None:
-                after.append(nxt)
-                finals.append(op.reply_to)
+            res = results[at:at + n]
             at += n
+            if any(isinstance(x, redis.exceptions.NoScriptError) for x in res):
+                noscript.append(op)  # refused whole (a script is its only command): load and re-send
+                continue
+            op.report(res)
+            if not cluster:
+                continue
+            found = op.gaps(res) if isinstance(op, PublishTokens) else []
+            if isinstance(op, Finalize):
+                if (g := op.gap(res)) is not None:
+                    found.append(g)
+                    op.tries += 1
+                    waiting.append(op)
+                else:
+                    self.sent.pop(op.reply_to, None)
+                    if (nxt := op.then(res)) is not None:
+                        after.append(nxt)
+                        finals.append(op.reply_to)
+            for key, index, reached in found:
+                gaps[key, index] = min(reached, gaps.get((key, index), reached))
         if finals and w.replica_wait_ms > 0:
             wait_replicas(r, finals, w.replica_wait_ms)
         if noscript:
             log.warning("event=scripts_reloaded ops=%d reason='NOSCRIPT: the server restarted or was flushed'",
                         len(noscript))
             w.scripts.load(r)
-        return noscript + after
+        return noscript + self._refills(gaps) + waiting + after
+
+    def _remember(self, ops: list[Op]) -> None:
+        """Keep the token entries about to be sent (once each) and set each final's ``expect``."""
+        for op in ops:
+            if isinstance(op, PublishTokens) and not op.remembered:
+                for key, entry in op.entries:
+                    self.sent.setdefault(key, []).append(entry)
+                op.remembered = True  # a flush re-sent after a lost connection must not add it again
+            elif isinstance(op, Finalize):
+                op.expect = {} if op.tries >= self.MAX_FINAL_TRIES else _reached(self.sent.get(op.reply_to, []))
+
+    def _refills(self, gaps: dict[tuple[str, int], int]) -> list[Op]:
+        """The entries to send again, from where each stream stopped."""
+        ops: list[Op] = []
+        for (key, index), reached in gaps.items():
+            entries = [e for e in self.sent.get(key, []) if _index(e) == index and int(e["seq"]) >= reached]
+            covered = bool(entries) and int(entries[0]["seq"]) == reached
+            log.warning("event=result_refill key=%s index=%d from_seq=%d entries=%d covered=%s", key, index, reached,
+                        len(entries), covered)
+            if entries:
+                ops.append(PublishTokens([(key, e) for e in entries], remembered=True, gap_ok=not covered))
+        return ops
+
+
+def _reached(entries: list[dict[str, str]]) -> dict[str, int]:
+    """Per fence field, the seq after the last of these token entries."""
+    out: dict[str, int] = {}
+    for e in entries:
+        f = next_field(_index(e))
+        out[f] = max(out.get(f, 0), int(e["seq"]) + len(json.loads(e["ids"])))
+    return out
 
 
 def wait_replicas(r: Any, keys: list[str], timeout_ms: int) -> None:

@@ -163,11 +163,13 @@ return 1
 """
 
 # KEYS: result stream, fence. ARGV: owner, seq, number of ids, maxlen, ttl, the fence field
-# that holds the choice's next seq ('next', or 'next:<index>' for choice index > 0 of n), fields...
-# 1 written; 0 refused (another owner, finished, or a seq already written: a re-sent flush);
-# 3 written after a gap: the fence (replicated with the stream, in the same script) says
-# entries before this seq were lost, e.g. by a failover to a replica that lagged. No fence
-# at all (lost the same way): adopted, as a claim would.
+# that holds the choice's next seq ('next', or 'next:<index>' for choice index > 0 of n),
+# '1' to write even after a gap, fields... 1 written; 0 refused (another owner, finished, or
+# a seq already written: a re-sent flush); {3, next} refused after a gap: the fence
+# (replicated with the stream, in the same script) says the entries from ``next`` on were
+# lost, e.g. by a failover to a replica that lagged, and the worker re-sends them first
+# (worker/service/outbox.py); 4 written after a gap it could not fill. No fence at all (lost
+# the same way): adopted, as a claim would.
 FENCED_TOKENS = """
 local f = redis.call('HMGET', KEYS[2], 'owner', ARGV[6], 'done')
 if not f[1] then
@@ -178,17 +180,21 @@ end
 local seq = tonumber(ARGV[2])
 local nxt = tonumber(f[2] or '0')
 if seq < nxt then return 0 end
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 7))
+if seq > nxt and ARGV[7] ~= '1' then return {3, nxt} end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 8))
 redis.call('EXPIRE', KEYS[1], ARGV[5])
 redis.call('HSET', KEYS[2], ARGV[6], seq + tonumber(ARGV[3]))
 redis.call('EXPIRE', KEYS[2], ARGV[5])
-if seq > nxt then return 3 end
+if seq > nxt then return 4 end
 return 1
 """
 
-# KEYS: result stream, fence. ARGV: owner, maxlen, ttl, fields... 1 written; 2 written
-# before by this owner (ack again); 0 refused (another owner, or a final exists already).
-# No fence (Redis lost it, or an entry answered unread): written if no final is there yet.
+# KEYS: result stream, fence. ARGV: owner, maxlen, ttl, k, then k pairs (fence field, the next
+# seq the writer's own token entries reached), fields... 1 written; 2 written before by this
+# owner (ack again); 0 refused (another owner, or a final exists already); {3, field, next}
+# refused: token entries this writer sent were lost (a failover), to be re-sent first. No
+# fence (Redis lost it, or an entry answered unread): written if no final is there yet and no
+# token entry is missing.
 FENCED_FINAL = _HAS_FINAL + """
 local f = redis.call('HMGET', KEYS[2], 'owner', 'done')
 if f[1] then
@@ -197,7 +203,13 @@ if f[1] then
 else
   if has_final(KEYS[1]) then return 0 end
 end
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 4))
+local k = tonumber(ARGV[4])
+for i = 0, k - 1 do
+  local field, want = ARGV[5 + 2 * i], tonumber(ARGV[6 + 2 * i])
+  local have = tonumber(redis.call('HGET', KEYS[2], field) or '0')
+  if have < want then return {3, field, have} end
+end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 5 + 2 * k))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('HSET', KEYS[2], 'done', 1)
 redis.call('EXPIRE', KEYS[2], ARGV[3])
@@ -220,6 +232,11 @@ return done
 """
 
 Client = Any  # a redis.Redis or a pipeline of one
+
+
+def next_field(index: int) -> str:
+    """The fence field holding choice ``index``'s next seq."""
+    return "next" if index == 0 else f"next:{index}"
 
 
 def _flat(entry: dict[str, str]) -> list[str]:
@@ -260,18 +277,20 @@ class Scripts:
         return self._fence_take(keys=[fence, reply_to], args=[owner, "claim" if claim else "take", ttl_s], client=c)
 
     def fenced_tokens(self, c: Client, *, reply_to: str, fence: str, owner: str, seq: int, n_ids: int, maxlen: int,
-                      ttl_s: int, entry: dict[str, str]) -> Any:
-        """One token entry, only while ``owner`` holds the fence and ``seq`` is new for its
-        choice (each of n choices counts its own seqs); 1, 0 or 3 (written after a gap)."""
-        index = int(entry.get("index", 0))
-        field = "next" if index == 0 else f"next:{index}"
-        return self._fenced_tokens(keys=[reply_to, fence],
-                                   args=[owner, seq, n_ids, maxlen, ttl_s, field, *_flat(entry)], client=c)
+                      ttl_s: int, entry: dict[str, str], gap_ok: bool = False) -> Any:
+        """One token entry, only while ``owner`` holds the fence and ``seq`` is the next of its
+        choice (each of n choices counts its own seqs); 1, 0, [3, next] (a gap) or 4."""
+        return self._fenced_tokens(keys=[reply_to, fence], args=[owner, seq, n_ids, maxlen, ttl_s,
+                                                                 next_field(int(entry.get("index", 0))),
+                                                                 "1" if gap_ok else "0", *_flat(entry)], client=c)
 
     def fenced_final(self, c: Client, *, reply_to: str, fence: str, owner: str, maxlen: int, ttl_s: int,
-                     entry: dict[str, str]) -> Any:
-        """The final entry, only while ``owner`` holds the fence; 1 written, 2 written before, 0 refused."""
-        return self._fenced_final(keys=[reply_to, fence], args=[owner, maxlen, ttl_s, *_flat(entry)], client=c)
+                     entry: dict[str, str], expect: dict[str, int] | None = None) -> Any:
+        """The final entry, only while ``owner`` holds the fence and each fence field of
+        ``expect`` reached its value; 1 written, 2 written before, 0 refused, [3, field, next]."""
+        pairs = [x for kv in (expect or {}).items() for x in kv]
+        return self._fenced_final(keys=[reply_to, fence], args=[owner, maxlen, ttl_s, len(pairs) // 2, *pairs,
+                                                                *_flat(entry)], client=c)
 
     def delete_unread(self, c: Client, stream: str, entry_ids: list[str], *, group: str) -> list[str]:
         """XDEL those of ``entry_ids`` no worker has read yet; the ids deleted."""

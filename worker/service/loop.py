@@ -44,6 +44,10 @@ from worker.service.scripts import Scripts
 
 log = logging.getLogger("tokenq.service")
 UNKNOWN_SWEEP_S = 5.0
+# While the engine is busy, control and the request streams are read at most this often
+# (each read is a round trip or more): a small model's steps take a few ms, and reading
+# before every one of them cost it more than the steps' own Redis writes.
+POLL_S = 0.005
 
 
 class Service:
@@ -65,7 +69,7 @@ class Service:
         self.rate = TokenRate()
         self.stopping = False
         self.stop_deadline = 0.0
-        self.due: dict[str, float] = dict.fromkeys(("heartbeat", "claim", "unknown", "expiry"), 0.0)
+        self.due: dict[str, float] = dict.fromkeys(("poll", "heartbeat", "claim", "unknown", "expiry"), 0.0)
         self.expiry_cursor: dict[str, str] = {}  # per stream: where the next sweep of unread entries starts
         self.shard_turn = 0  # the request shard each level's next read starts at
         self.avg_request_tokens = 256.0  # running estimate used to size pulls
@@ -125,9 +129,11 @@ class Service:
     def _talk(self, now: float) -> None:
         """Everything the loop reads from Redis: control, new entries, the timers."""
         try:
-            control.read(self)
-            if not self.stopping:
-                intake.pull(self)
+            if now >= self.due["poll"] or not self.engine.has_unfinished():
+                self.due["poll"] = now + POLL_S
+                control.read(self)
+                if not self.stopping:
+                    intake.pull(self)
             self._timers(now)
         except redis.ResponseError as e:
             if "NOGROUP" in str(e):  # Redis lost our groups: recreate them, say what was lost

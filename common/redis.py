@@ -40,13 +40,18 @@ class _Backoff:
         return w
 
 
-def _stream_keys(args: tuple) -> list | None:
-    """The keys of an XREAD / XREADGROUP: the first half of what follows STREAMS.
+def _known_keys(args: tuple) -> list | None:
+    """The keys of the commands whose keys redis-py would ask the server for: XREAD /
+    XREADGROUP (the first half of what follows STREAMS) and, in a cluster pipeline, EVAL /
+    EVALSHA (numkeys after the script).
 
-    redis-py finds the keys of these "movable keys" commands by asking the server (COMMAND
-    GETKEYS, sent to its default node): one more round trip per read, and one that fails for
-    as long as the default node is a dead master. Read them here instead."""
+    For these "movable keys" commands redis-py sends COMMAND GETKEYS to its default node: one
+    more round trip per command (a pipeline of N scripts became N+1 round trips), and one
+    that fails for as long as the default node is a dead master. Read them here instead."""
     cmd = str(args[0]).upper()
+    if cmd in ("EVAL", "EVALSHA"):
+        n = int(args[2]) if len(args) > 2 else 0
+        return list(args[3:3 + n]) or None
     start = {"XREAD": 1, "XREADGROUP": 4}.get(cmd)
     if start is None:
         return None
@@ -72,8 +77,13 @@ class Cluster(redis.cluster.RedisCluster):
                 self.replace_default_node()
 
     def _get_command_keys(self, *args):
-        keys = _stream_keys(args)
+        keys = _known_keys(args)
         return keys if keys is not None else super()._get_command_keys(*args)
+
+    def pipeline(self, transaction=None, shard_hint=None):
+        pipe = super().pipeline(transaction, shard_hint)
+        pipe._get_command_keys = self._get_command_keys  # redis-py's pipeline is its own RedisCluster
+        return pipe
 
 
 class AsyncCluster(redis.asyncio.cluster.RedisCluster):
@@ -89,7 +99,7 @@ class AsyncCluster(redis.asyncio.cluster.RedisCluster):
                 self.replace_default_node()
 
     async def _determine_slot(self, command: str, *args):
-        keys = _stream_keys((command, *args))
+        keys = _known_keys((command, *args))
         if not keys:
             return await super()._determine_slot(command, *args)
         slots = {self.keyslot(k) for k in keys}

@@ -58,7 +58,7 @@ def processors(prompt_len: int, p: SamplingParams) -> list:
 
 def reference(family: str, prompt: list[int], p: SamplingParams, seed: int = 0) -> list[int]:
     """Token by token on the reference model with transformers' processors; greedy, or the
-    engine's sampling rule (Gumbel-max with its counter-based noise) replayed."""
+    engine's sampling rule (the inverse CDF at its counter-based uniform) replayed."""
     ref = pair(family)[1]
     ids = torch.tensor([prompt])
     out: list[int] = []
@@ -71,8 +71,7 @@ def reference(family: str, prompt: list[int], p: SamplingParams, seed: int = 0) 
                 tok = int(scores.argmax())
             else:
                 x = scores.float() / p.temperature
-                u = sampler.uniform_noise(torch.tensor([seed]), torch.tensor([step]), x.shape[-1])
-                tok = int((x.double() - torch.log(-torch.log(u))).argmax())
+                tok = int(sampler.draw(x, sampler.uniform(torch.tensor([seed]), torch.tensor([step])))[0])
             out.append(tok)
             ids = torch.cat([ids, torch.tensor([[tok]])], 1)
             if tok == EOS and not p.ignore_eos:

@@ -80,17 +80,23 @@ def test_distribution_follows_temperature_top_k_top_p():
     assert sampler.sample(logits.expand(8, -1), mixed)[4:] == [0] * 4
 
 
-def test_noise_is_a_function_of_seed_step_and_token():
-    seeds = torch.tensor([1, 1, 2, 2**62 + 5], dtype=torch.int64)
-    steps = torch.tensor([0, 1, 0, 0], dtype=torch.int64)
-    u = sampler.uniform_noise(seeds, steps, 1000)
-    assert u.shape == (4, 1000) and (u > 0).all() and (u < 1).all()
-    again = sampler.uniform_noise(seeds.flip(0), steps.flip(0), 1000).flip(0)
-    assert torch.equal(u, again)  # row order does not matter
-    for i in range(4):
-        for j in range(i + 1, 4):
-            assert not torch.equal(u[i], u[j])
-    assert abs(u.mean().item() - 0.5) < 0.02
+def test_uniforms_are_a_function_of_seed_and_step():
+    seeds = torch.tensor([1, 1, 2, 2**62 + 5, 3], dtype=torch.int64)
+    steps = torch.tensor([0, 1, 0, 0, 7], dtype=torch.int64)
+    u = sampler.uniform(seeds, steps)
+    assert u.shape == (5,) and u.dtype == torch.float64 and (u > 0).all() and (u < 1).all()
+    assert torch.equal(u, sampler.uniform(seeds.flip(0), steps.flip(0)).flip(0))  # row order does not matter
+    assert len(set(u.tolist())) == 5
+    many = sampler.uniform(torch.arange(20000, dtype=torch.int64), torch.zeros(20000, dtype=torch.int64))
+    assert abs(many.mean().item() - 0.5) < 0.01 and abs((many < 0.1).double().mean().item() - 0.1) < 0.01
+
+
+def test_draw_inverts_the_distribution_and_never_takes_an_impossible_token():
+    x = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf")]] * 3)
+    p = torch.softmax(x[0].double(), -1)
+    u = torch.tensor([1e-12, float(p[0]) - 1e-9, 1 - 1e-12], dtype=torch.float64)
+    assert sampler.draw(x, u).tolist() == [0, 0, 2]
+    assert sampler.draw(x, torch.tensor([float(p[0]) + 1e-9] * 3, dtype=torch.float64)).tolist() == [2, 2, 2]
 
 
 # ---------------------------------------------------------------------------- on the model

@@ -198,9 +198,13 @@ def test_sigkilled_gateway_is_replaced_without_loss_or_repeats(worker, redis_url
         oai = _client(base)
         served0 = _served(r, prefix, w.name)
         n = 30
-        lines = [chat_line(f"r{i}", f"number {i}", max_tokens=6) for i in range(n)]
+        # Lines of different lengths finish at different steps, so some are always in flight
+        # (the same length made all 4 fed lines end together: nothing in flight between feeds).
+        lines = [chat_line(f"r{i}", f"number {i}", max_tokens=6 + i % 7) for i in range(n)]
         b = submit(oai, lines)
-        wait_for(lambda: oai.batches.retrieve(b.id).request_counts.completed >= 5, 60, 0.05, "5 lines done")
+        inflight = Keys(prefix).batch_inflight(b.id)
+        wait_for(lambda: oai.batches.retrieve(b.id).request_counts.completed >= 5 and r.hlen(inflight) > 0, 60, 0.01,
+                 "5 lines done, others in flight")
         p.send_signal(signal.SIGKILL)
         p.wait(10)
         done_at_kill = r.hget(Keys(prefix).batch(b.id), "completed")

@@ -20,9 +20,9 @@ from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
 
 from common.keys import LEVELS, priority_of
-from common.redis import connect_async, is_cluster
+from common.redis import connect_async
 from common.settings import Settings
-from producer.batch.store import CLUSTER_REFUSAL, Store, StoreError
+from producer.batch.store import Store, StoreError
 from producer.gateway.errors import APIError, bad
 from producer.gateway.state import check_auth, json_body
 
@@ -30,17 +30,20 @@ UPLOAD_SLACK = 64 * 1024  # multipart framing around the file, allowed over the 
 
 
 def store_of(request: Request) -> Store:
-    store = request.app.state.batch_store
-    if store is None:
-        raise APIError(501, CLUSTER_REFUSAL, "invalid_request_error", None, "cluster_unsupported")
-    return store
+    if (refused := request.app.state.batch_refused) is not None:
+        raise _api_error(refused)  # a Redis Cluster: the Batch API answers 501, the rest of the gateway serves
+    return request.app.state.batch_store
+
+
+def _api_error(e: StoreError) -> APIError:
+    return APIError(e.status, e.message, "invalid_request_error", e.param, e.code)
 
 
 async def _call(coro: Any) -> Any:
     try:
         return await coro
     except StoreError as e:
-        raise APIError(e.status, e.message, "invalid_request_error", e.param, e.code) from None
+        raise _api_error(e) from None
 
 
 @asynccontextmanager
@@ -51,21 +54,21 @@ async def lifespan(app: Any) -> AsyncIterator[None]:
 
     settings: Settings = app.state.settings
     r = connect_async(settings.redis_url)
-    if is_cluster(r):  # the Batch API answers 501 (store_of); the rest of the gateway serves
-        app.state.batch_store = None
-        try:
-            yield
-        finally:
-            await r.aclose()
-        return
-    app.state.batch_store = Store.of(r, settings)
-    runner = BatchRunner(r, settings, metrics=getattr(app.state, "metrics", None))
-    runner.start()
-    app.state.batch_runner = runner
+    runner = None
+    app.state.batch_refused = None
+    try:
+        app.state.batch_store = Store.of(r, settings)
+    except StoreError as e:
+        app.state.batch_refused = e
+    else:
+        runner = BatchRunner(r, settings, metrics=getattr(app.state, "metrics", None))
+        runner.start()
+        app.state.batch_runner = runner
     try:
         yield
     finally:
-        await runner.aclose()
+        if runner is not None:
+            await runner.aclose()
         await r.aclose()
 
 

@@ -73,6 +73,15 @@ def shared_worker(request, redis_url: str, model_dir: str, tmp_path_factory):
 # ---------------------------------------------------------------------------- the gateway
 
 
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """``tokenq`` in this process: (exit code, stdout, stderr)."""
+    from producer.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 @contextlib.contextmanager
 def serve_gateway(settings, timeout: float = 20.0) -> Iterator[str]:
     """Serve ``create_app(settings)`` with a real uvicorn on a free port; yields the base URL."""

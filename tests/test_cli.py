@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from producer_helpers import shared_worker, wait_for
+from producer_helpers import run_cli, shared_worker, wait_for
 
 from common.keys import Keys
 from common.local_redis import free_port
@@ -35,18 +35,12 @@ def worker(request, redis_url, tiny_model_dir, tmp_path_factory):
     return shared_worker(request, redis_url, tiny_model_dir, tmp_path_factory)
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 # ---------------------------------------------------------------------------- submit
 
 
 def test_submit_streams_the_answer(worker, redis_url, capsys):
     prefix, _ = worker
-    code, out, err = run(capsys, "submit", "Once upon a time", "--max-tokens", "6", "--temperature", "0",
+    code, out, err = run_cli(capsys, "submit", "Once upon a time", "--max-tokens", "6", "--temperature", "0",
                          "--priority", "high", "--redis-url", redis_url, "--prefix", prefix)
     assert code == 0, err
     with Client(redis_url, prefix) as c:
@@ -57,7 +51,7 @@ def test_submit_streams_the_answer(worker, redis_url, capsys):
 
 def test_submit_json_chat_and_stdin(worker, redis_url, capsys, monkeypatch):
     prefix, _ = worker
-    code, out, err = run(capsys, "submit", "hello", "--chat", "--system", "be brief", "--max-tokens", "3",
+    code, out, err = run_cli(capsys, "submit", "hello", "--chat", "--system", "be brief", "--max-tokens", "3",
                          "--json", "-q", "--redis-url", redis_url, "--prefix", prefix)
     assert code == 0, err
     res = json.loads(out)
@@ -67,7 +61,7 @@ def test_submit_json_chat_and_stdin(worker, redis_url, capsys, monkeypatch):
     import io
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("from standard input"))
-    code, out, err = run(capsys, "submit", "-", "--max-tokens", "2", "--json", "--redis-url", redis_url,
+    code, out, err = run_cli(capsys, "submit", "-", "--max-tokens", "2", "--json", "--redis-url", redis_url,
                          "--prefix", prefix)
     assert code == 0 and len(json.loads(out)["token_ids"]) == 2
 
@@ -75,11 +69,11 @@ def test_submit_json_chat_and_stdin(worker, redis_url, capsys, monkeypatch):
 def test_submit_worker_error_exits_1(worker, redis_url, capsys):
     prefix, _ = worker
     ids = json.dumps([5] * 3000)
-    code, out, err = run(capsys, "submit", "--input-ids", ids, "--max-tokens", "4", "--redis-url", redis_url,
+    code, out, err = run_cli(capsys, "submit", "--input-ids", ids, "--max-tokens", "4", "--redis-url", redis_url,
                          "--prefix", prefix)
     assert code == 1
     assert "too_long" in err
-    code, out, err = run(capsys, "submit", "--input-ids", ids, "--max-tokens", "4", "--json", "--redis-url",
+    code, out, err = run_cli(capsys, "submit", "--input-ids", ids, "--max-tokens", "4", "--json", "--redis-url",
                          redis_url, "--prefix", prefix)
     assert code == 1 and json.loads(out)["error"]["code"] == "too_long"
 
@@ -97,7 +91,7 @@ def test_submit_worker_error_exits_1(worker, redis_url, capsys):
     (["status", "--watch", "--json"], "do not go together"),
 ])
 def test_bad_input_exits_2_and_sends_nothing(redis_url, prefix, r, capsys, argv, needle):
-    code, out, err = run(capsys, *argv, "--redis-url", redis_url, "--prefix", prefix)
+    code, out, err = run_cli(capsys, *argv, "--redis-url", redis_url, "--prefix", prefix)
     assert code == 2, (out, err)
     assert needle in err, err
     assert list(r.scan_iter(match=f"{prefix}:*")) == []
@@ -118,22 +112,22 @@ def test_bad_flags_exit_2_with_usage(capsys, argv, needle):
 
 
 def test_bad_environment_and_redis(capsys, monkeypatch):
-    code, _, err = run(capsys, "status", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
+    code, _, err = run_cli(capsys, "status", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
     assert code == 1 and "cannot reach redis://127.0.0.1" in err
-    code, _, err = run(capsys, "status", "--redis-url", "http://example.com")
+    code, _, err = run_cli(capsys, "status", "--redis-url", "http://example.com")
     assert code == 2 and "bad --redis-url" in err
-    code, _, err = run(capsys, "status", "--redis-url", "redis://:s3cret@127.0.0.1:1/0")
+    code, _, err = run_cli(capsys, "status", "--redis-url", "redis://:s3cret@127.0.0.1:1/0")
     assert code == 1 and "s3cret" not in err and ":***@" in err
-    code, _, err = run(capsys, "submit", "x", "--max-tokens", "0", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
+    code, _, err = run_cli(capsys, "submit", "x", "--max-tokens", "0", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
     assert code == 2 and "max_tokens" in err  # bad input is reported as such even with Redis down
     monkeypatch.setenv("TOKENQ_PORT", "eighty")
-    code, _, err = run(capsys, "gateway")
+    code, _, err = run_cli(capsys, "gateway")
     assert code == 2 and "TOKENQ_PORT='eighty' is not a valid int" in err
 
 
 def test_submit_wait_gives_up_and_cancels(redis_url, prefix, r, capsys):
     """No worker on this prefix: --wait runs out, the request is cancelled, exit 1."""
-    code, out, err = run(capsys, "submit", "nobody home", "--wait", "0.5", "--id", "lonely-1",
+    code, out, err = run_cli(capsys, "submit", "nobody home", "--wait", "0.5", "--id", "lonely-1",
                          "--redis-url", redis_url, "--prefix", prefix)
     assert code == 1 and "wait_timeout" in err
     assert [parse_control(f) for _, f in r.xrange(Keys(prefix).control)] == [("cancel", "lonely-1")]
@@ -158,7 +152,7 @@ def test_submit_ctrl_c_cancels(redis_url, prefix, r):
 
 
 def test_cancel(redis_url, prefix, r, capsys):
-    code, out, _ = run(capsys, "cancel", "abc", "d.e-f", "--redis-url", redis_url, "--prefix", prefix)
+    code, out, _ = run_cli(capsys, "cancel", "abc", "d.e-f", "--redis-url", redis_url, "--prefix", prefix)
     assert code == 0 and out.count("cancel sent for") == 2
     assert [parse_control(f) for _, f in r.xrange(Keys(prefix).control)] == [("cancel", "abc"), ("cancel", "d.e-f")]
 
@@ -168,10 +162,10 @@ def test_cancel_a_running_request(worker, redis_url, capsys):
     with Client(redis_url, prefix) as c:
         h = c.submit("go on and on", max_tokens=2000, ignore_eos=True)
         next(iter(h))
-        code, out, _ = run(capsys, "cancel", h.id, "--redis-url", redis_url, "--prefix", prefix)
+        code, out, _ = run_cli(capsys, "cancel", h.id, "--redis-url", redis_url, "--prefix", prefix)
         assert code == 0 and "(it is running)" in out
         assert h.result(timeout=60).finish_reason == "cancelled"
-        code, out, _ = run(capsys, "cancel", h.id, "--redis-url", redis_url, "--prefix", prefix)
+        code, out, _ = run_cli(capsys, "cancel", h.id, "--redis-url", redis_url, "--prefix", prefix)
         assert "(it had already finished)" in out
 
 
@@ -192,7 +186,7 @@ def test_status_counts(redis_url, prefix, r, capsys):
                                      "prefix_cache_queries": 400, "prefix_cache_hits": 300})
     r.expire(k.worker("w-a"), 30)
     r.hset(k.worker("w-b"), mapping={"model": "other", "surprise": "field"})  # missing and unknown fields
-    code, out, err = run(capsys, "status", "--json", "--redis-url", redis_url, "--prefix", prefix)
+    code, out, err = run_cli(capsys, "status", "--json", "--redis-url", redis_url, "--prefix", prefix)
     assert code == 0, err
     st = json.loads(out)
     assert st["queues"]["high"] == {"length": 3, "pending": 2, "waiting": 1, "group": True, "consumers": {"w-a": 2}}
@@ -202,7 +196,7 @@ def test_status_counts(redis_url, prefix, r, capsys):
     ws = {w["name"]: w for w in st["workers"]}
     assert ws["w-a"]["pages_free"] == 64 and ws["w-a"]["tokens_per_s"] == 31.5 and 0 < ws["w-a"]["ttl_s"] <= 30
     assert ws["w-b"] == {"model": "other", "surprise": "field", "name": "w-b", "ttl_s": -1}
-    code, out, err = run(capsys, "status", "--redis-url", redis_url, "--prefix", prefix)
+    code, out, err = run_cli(capsys, "status", "--redis-url", redis_url, "--prefix", prefix)
     assert code == 0, err
     for needle in ("high", "w-a: 2", "4 queued, 2 in flight, 1 dead-lettered", "w-a", "tiny", "64/256", "31.5",
                    "w-b", "other", "workers (2 live)", "75%"):
@@ -210,13 +204,13 @@ def test_status_counts(redis_url, prefix, r, capsys):
 
 
 def test_status_of_an_empty_prefix(redis_url, prefix, capsys):
-    code, out, _ = run(capsys, "status", "--redis-url", redis_url, "--prefix", prefix)
+    code, out, _ = run_cli(capsys, "status", "--redis-url", redis_url, "--prefix", prefix)
     assert code == 0 and "0 queued, 0 in flight, 0 dead-lettered" in out and "no live worker heartbeats" in out
 
 
 def test_status_shows_a_real_worker(worker, redis_url, capsys):
     prefix, w = worker
-    code, out, _ = run(capsys, "status", "--json", "--redis-url", redis_url, "--prefix", prefix)
+    code, out, _ = run_cli(capsys, "status", "--json", "--redis-url", redis_url, "--prefix", prefix)
     st = json.loads(out)
     (hb,) = [x for x in st["workers"] if x["name"] == w.name]
     assert hb["device"] == "cpu" and hb["pages_total"] > 0 and hb["pages_free"] <= hb["pages_total"]
@@ -269,7 +263,7 @@ def test_gateway_command_serves(redis_url, prefix):
 
 
 def test_gateway_bad_port(capsys):
-    code, _, err = run(capsys, "gateway", "--port", "70000")
+    code, _, err = run_cli(capsys, "gateway", "--port", "70000")
     assert code == 2 and "--port must be in [0, 65535]" in err
 
 

@@ -367,14 +367,13 @@ def test_decode_attention_over_shared_pages_equals_dense_attention(window, softc
     attended in one step: each equals plain attention over its own positions (float64)."""
     import torch
 
-    from worker.attention import StepMeta, _decode
     from worker.cache import KVCache
     from worker.runner import ModelRunner
     from worker.scheduler import ScheduledSeq
     from worker.sequence import Sequence
 
     torch.manual_seed(0)
-    ps, kvh, g, D = 4, 2, 3, 8
+    ps, kvh, D = 4, 2, 8
     cache = KVCache(num_layers=1, num_pages=64, page_size=ps, num_kv_heads=kvh, head_dim=D, dtype=torch.float64,
                     device=torch.device("cpu"))
     cache.k.normal_()
@@ -392,6 +391,18 @@ def test_decode_attention_over_shared_pages_equals_dense_attention(window, softc
     runner = ModelRunner(None, cache)
     dec = runner._decode_pages(scheduled, torch.tensor([s.start + 1 for s in scheduled]))
     assert sorted(grp.m for grp in dec[5]) == [2, 8]  # the 3-page prefix of 5 decodes, the 2-page one of 2
+    _assert_dense(scheduled, cache, dec, window, softcap)
+
+
+def _assert_dense(scheduled, cache, dec, window, softcap):
+    """Decode attention over the step's decode pages ``dec`` equals plain attention over each
+    decode's own positions (float64)."""
+    import torch
+
+    from worker.attention import StepMeta, _decode
+
+    kvh, D = cache.k.shape[2], cache.k.shape[4]
+    g = 3
     n = len(scheduled)
     meta = StepMeta(cache.k, cache.v, None, None, n, *dec[:5], [], dec[5])
     q = torch.randn(n, kvh * g, D, dtype=torch.float64)
@@ -405,3 +416,34 @@ def test_decode_attention_over_shared_pages_equals_dense_attention(window, softc
         s = s if softcap is None else torch.tanh(s / softcap) * softcap
         w = torch.softmax(s.masked_fill(~keep, float("-inf")), -1)
         assert torch.allclose(got[i], (w @ v).reshape(kvh * g, D), atol=1e-12), f"decode {i}"
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_pages_high_in_the_pool_are_read_in_place_from_the_lowest(window):
+    """With caching on, finished sequences' pages stay cached low in the pool while new ones
+    are allocated above them. Decodes holding only pages 40-63 of 64 are read in place over
+    [40, 64), not over [0, 64) and not gathered, and attention is still exact."""
+    import torch
+
+    from worker.cache import KVCache
+    from worker.runner import ModelRunner
+    from worker.scheduler import ScheduledSeq
+    from worker.sequence import Sequence
+
+    torch.manual_seed(1)
+    ps, kvh, D = 4, 2, 8
+    cache = KVCache(num_layers=1, num_pages=64, page_size=ps, num_kv_heads=kvh, head_dim=D, dtype=torch.float64,
+                    device=torch.device("cpu"))
+    cache.k.normal_()
+    cache.v.normal_()
+    pages = list(range(63, 39, -1))  # handed out from the top, and interleaved between sequences
+    scheduled = []
+    for i in range(6):
+        table = pages[i::6]
+        ctx = (len(table) - 1) * ps + 1 + i % ps
+        seq = Sequence(f"d{i}", [3] * ctx, ctx - 1, SamplingParams(), 1, i, 0.0, 0)
+        seq.block_table = table
+        scheduled.append(ScheduledSeq(seq, ctx - 1, 1, True))
+    dec = ModelRunner(None, cache)._decode_pages(scheduled, torch.tensor([s.start + 1 for s in scheduled]))
+    assert dec[0] is None and dec[1] == (40, 64)  # in place, from the lowest page held
+    _assert_dense(scheduled, cache, dec, window, None)

@@ -32,7 +32,7 @@ class StepMeta:
     """Where this step's tokens go in the cache and what each attends to (shared by all layers).
 
     Decode attention works page by page on a list of "decode pages": either the pool's
-    first ``dec_hi`` pages in place (``dec_src`` is None: no copy at all; pages there that
+    pages ``dec_span = (lo, hi)`` in place (``dec_src`` is None: no copy at all; pages there that
     belong to no decoding sequence are masked out), or the decoding sequences' own pages
     gathered (``dec_src``: their page numbers), whichever touches less memory. For each
     decode page: the decode it belongs to (``dec_acc``; ``n_dec`` for none), and the position
@@ -41,16 +41,16 @@ class StepMeta:
     holders (worker/shared_pages.py).
     """
 
-    __slots__ = ("k", "v", "write_pages", "write_offs", "n_dec", "dec_src", "dec_hi", "dec_acc", "dec_qrow", "dec_pos",
+    __slots__ = ("k", "v", "write_pages", "write_offs", "n_dec", "dec_src", "dec_span", "dec_acc", "dec_qrow", "dec_pos",
                  "dec_ctx", "prefills", "_masks", "dec_shared")
 
-    def __init__(self, k, v, write_pages, write_offs, n_dec, dec_src, dec_hi, dec_acc, dec_pos, dec_ctx, prefills,
+    def __init__(self, k, v, write_pages, write_offs, n_dec, dec_src, dec_span, dec_acc, dec_pos, dec_ctx, prefills,
                  dec_shared=()):
         self.k, self.v = k, v  # [layers, pages, kv_heads, page_size, head_dim]
         self.write_pages, self.write_offs = write_pages, write_offs  # [T] each
         self.n_dec = n_dec
-        self.dec_src = dec_src  # None (pool pages [0, dec_hi) in place) or [Np] page numbers to gather
-        self.dec_hi = dec_hi
+        self.dec_src = dec_src  # None (pool pages [lo, hi) of dec_span in place) or [Np] page numbers to gather
+        self.dec_span = dec_span
         self.dec_acc = dec_acc  # [Np] the decode each page belongs to (n_dec: none)
         self.dec_qrow = dec_acc.clamp(max=max(n_dec - 1, 0)) if n_dec else None  # query row to use for each page
         self.dec_pos = dec_pos  # [Np, page_size] position of each slot in its sequence
@@ -162,8 +162,9 @@ def _decode(q, kc, vc, meta: StepMeta, window, scaling, softcap=None, sinks=None
     kvh, ps = kc.shape[1], kc.shape[2]
     g = H // kvh
     if meta.dec_src is None:
-        Np = meta.dec_hi
-        K, V = kc[:Np], vc[:Np]  # views of the pool: nothing copied
+        lo, hi = meta.dec_span
+        Np = hi - lo
+        K, V = kc[lo:hi], vc[lo:hi]  # views of the pool: nothing copied
     else:
         Np = meta.dec_src.shape[0]
         K, V = kc.index_select(0, meta.dec_src), vc.index_select(0, meta.dec_src)

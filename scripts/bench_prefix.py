@@ -60,6 +60,8 @@ def shared_prefix(args, model, model_dir, tok, config: str, eng_kw: dict, progre
     skipped = []
     if args.vllm_python:  # interleaved with tokenq's runs, best of --repeat as they are: the machine may be shared
         def vllm():
+            if skipped:  # it failed in an earlier round: it would fail again
+                return None
             try:
                 r = run_vllm(model, model_dir, wl, config, python=args.vllm_python, prefix_caching=True)
             except Exception as e:  # a peer that cannot run here must not sink the benchmark

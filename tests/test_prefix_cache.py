@@ -361,37 +361,37 @@ def test_the_worker_setting_turns_it_off():
         Settings.from_env({"TOKENQ_PREFIX_CACHING": "maybe"})
 
 
-@pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 2.0)])
-def test_decode_attention_over_shared_pages_equals_dense_attention(window, softcap):
-    """Decodes whose tables share prefix pages (1 to 5 holders, so padded groups of 2, 4 and 8),
-    attended in one step: each equals plain attention over its own positions (float64)."""
+def _random_pool(seed: int):
+    """A one-layer float64 KV pool of 64 pages of 4 slots, 2 kv heads of 8, filled at random."""
     import torch
 
     from worker.cache import KVCache
+
+    torch.manual_seed(seed)
+    cache = KVCache(num_layers=1, num_pages=64, page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float64,
+                    device=torch.device("cpu"))
+    cache.k.normal_()
+    cache.v.normal_()
+    return cache
+
+
+def _decoding(tables: list[list[int]], cache):
+    """A decode step over these block tables (decode i's last page holds 1 + i % ps positions), and
+    its decode pages as the runner lays them out."""
+    import torch
+
     from worker.runner import ModelRunner
     from worker.scheduler import ScheduledSeq
     from worker.sequence import Sequence
 
-    torch.manual_seed(0)
-    ps, kvh, D = 4, 2, 8
-    cache = KVCache(num_layers=1, num_pages=64, page_size=ps, num_kv_heads=kvh, head_dim=D, dtype=torch.float64,
-                    device=torch.device("cpu"))
-    cache.k.normal_()
-    cache.v.normal_()
-    prefixes = [[40, 41, 42], [50, 51], [60]]
-    holders = [0, 0, 0, 0, 0, 1, 1, 2, None]  # which prefix each decode starts from (None: its own pages only)
-    free = iter(range(30))
+    ps = cache.page_size
     scheduled = []
-    for i, pre in enumerate(holders):
-        table = (list(prefixes[pre]) if pre is not None else []) + [next(free) for _ in range(1 + i % 3)]
+    for i, table in enumerate(tables):
         ctx = (len(table) - 1) * ps + 1 + i % ps  # the last page partly filled
         seq = Sequence(f"d{i}", [3] * ctx, ctx - 1, SamplingParams(), 1, i, 0.0, 0)
         seq.block_table = table
         scheduled.append(ScheduledSeq(seq, ctx - 1, 1, True))
-    runner = ModelRunner(None, cache)
-    dec = runner._decode_pages(scheduled, torch.tensor([s.start + 1 for s in scheduled]))
-    assert sorted(grp.m for grp in dec[5]) == [2, 8]  # the 3-page prefix of 5 decodes, the 2-page one of 2
-    _assert_dense(scheduled, cache, dec, window, softcap)
+    return scheduled, ModelRunner(None, cache)._decode_pages(scheduled, torch.tensor([s.start + 1 for s in scheduled]))
 
 
 def _assert_dense(scheduled, cache, dec, window, softcap):
@@ -418,32 +418,28 @@ def _assert_dense(scheduled, cache, dec, window, softcap):
         assert torch.allclose(got[i], (w @ v).reshape(kvh * g, D), atol=1e-12), f"decode {i}"
 
 
+@pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 2.0)])
+def test_decode_attention_over_shared_pages_equals_dense_attention(window, softcap):
+    """Decodes whose tables share prefix pages (1 to 5 holders, so padded groups of 2, 4 and 8),
+    attended in one step: each equals plain attention over its own positions (float64)."""
+    cache = _random_pool(0)
+    prefixes = [[40, 41, 42], [50, 51], [60]]
+    holders = [0, 0, 0, 0, 0, 1, 1, 2, None]  # which prefix each decode starts from (None: its own pages only)
+    free = iter(range(30))
+    tables = [(list(prefixes[pre]) if pre is not None else []) + [next(free) for _ in range(1 + i % 3)]
+              for i, pre in enumerate(holders)]
+    scheduled, dec = _decoding(tables, cache)
+    assert sorted(grp.m for grp in dec[5]) == [2, 8]  # the 3-page prefix of 5 decodes, the 2-page one of 2
+    _assert_dense(scheduled, cache, dec, window, softcap)
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_pages_high_in_the_pool_are_read_in_place_from_the_lowest(window):
     """With caching on, finished sequences' pages stay cached low in the pool while new ones
     are allocated above them. Decodes holding only pages 40-63 of 64 are read in place over
     [40, 64), not over [0, 64) and not gathered, and attention is still exact."""
-    import torch
-
-    from worker.cache import KVCache
-    from worker.runner import ModelRunner
-    from worker.scheduler import ScheduledSeq
-    from worker.sequence import Sequence
-
-    torch.manual_seed(1)
-    ps, kvh, D = 4, 2, 8
-    cache = KVCache(num_layers=1, num_pages=64, page_size=ps, num_kv_heads=kvh, head_dim=D, dtype=torch.float64,
-                    device=torch.device("cpu"))
-    cache.k.normal_()
-    cache.v.normal_()
+    cache = _random_pool(1)
     pages = list(range(63, 39, -1))  # handed out from the top, and interleaved between sequences
-    scheduled = []
-    for i in range(6):
-        table = pages[i::6]
-        ctx = (len(table) - 1) * ps + 1 + i % ps
-        seq = Sequence(f"d{i}", [3] * ctx, ctx - 1, SamplingParams(), 1, i, 0.0, 0)
-        seq.block_table = table
-        scheduled.append(ScheduledSeq(seq, ctx - 1, 1, True))
-    dec = ModelRunner(None, cache)._decode_pages(scheduled, torch.tensor([s.start + 1 for s in scheduled]))
+    scheduled, dec = _decoding([pages[i::6] for i in range(6)], cache)
     assert dec[0] is None and dec[1] == (40, 64)  # in place, from the lowest page held
     _assert_dense(scheduled, cache, dec, window, None)

@@ -222,18 +222,32 @@ def test_shared_prefixes_are_exact_on_every_family(family):
     assert any(rid == "s6" and start > cached(run, "s6") for rid, start in starts) or len(reqs["s6"][0]) - cached(run, "s6") <= 32
 
 
-def test_pages_are_found_as_soon_as_their_chunk_is_computed():
+def test_a_request_waits_for_the_page_a_running_prefill_is_computing():
     """One long prompt prefilled in 16-token chunks; a request with the same prompt waits for
-    token budget and is admitted in the step of the last chunk: it finds the 10 pages the
-    first 5 chunks filled, not the 11th that the running chunk is filling."""
+    token budget, and when budget frees up (the step of the first one's last chunk) the next
+    page of its prefix is the one that chunk is filling: it lets the request behind it go
+    first (which finds every page of its own prefix cached), and is admitted a step later
+    with all 11 pages cached instead of 10, not computing the 11th a second time."""
     model, _ = pair("llama")
     prompt = random_prompts(random.Random(4), 1, (90, 90))[0]
     engine = make_engine(model, page_size=8, num_pages=80, max_num_seqs=3, max_num_batched_tokens=16)
     reqs = {"a": (prompt, 6), "b": (prompt + [5], 6), "c": (prompt[:50] + [6, 7], 6)}
     run = drive(engine, {0: [(r, reqs[r][0], greedy(6)) for r in ("a", "b")], 3: [("c", reqs["c"][0], greedy(6))]})
     check_exact(run, reqs)
-    assert (cached(run, "a"), cached(run, "b"), cached(run, "c")) == (0, 80, 48)
-    assert ("b", 80, 6, False) in run.steps[5].scheduled and ("a", 80, 10, True) in run.steps[5].scheduled
+    assert (cached(run, "a"), cached(run, "b"), cached(run, "c")) == (0, 88, 48)
+    assert run.steps[5].scheduled == [("a", 80, 10, True), ("c", 48, 4, True)] and run.steps[5].waiting == ["b"]
+    assert ("b", 88, 3, True) in run.steps[6].scheduled
+
+
+def test_with_caching_off_nobody_waits_for_a_running_prefill():
+    model, _ = pair("llama")
+    prompt = random_prompts(random.Random(4), 1, (90, 90))[0]
+    engine = make_engine(model, page_size=8, num_pages=80, max_num_seqs=3, max_num_batched_tokens=16,
+                         enable_prefix_caching=False)
+    reqs = {"a": (prompt, 6), "b": (prompt + [5], 6)}
+    run = drive(engine, {0: [(r, reqs[r][0], greedy(6)) for r in ("a", "b")]})
+    check_exact(run, reqs)
+    assert ("b", 0, 6, False) in run.steps[5].scheduled
 
 
 def test_eviction_is_least_recently_used_and_recomputes_exactly():

@@ -72,6 +72,24 @@ def held_hits(seq: Sequence, alloc: BlockAllocator) -> int:
     return sum(1 for p in match(seq, alloc) if alloc.refs(p) > 0)
 
 
+def computing(seq: Sequence, page_size: int) -> list[bytes]:
+    """Names of the full pages of ``seq``'s known tokens that it has yet to compute: what its
+    prefill will add to the cache."""
+    full = seq.num_tokens // page_size
+    start = seq.num_computed // page_size
+    if start >= full:
+        return []
+    return _hashes(seq, full, page_size)[start:full]
+
+
+def next_page(seq: Sequence, hits: int, page_size: int) -> bytes | None:
+    """The name of the first page of ``seq``'s prefix past its ``hits`` cached pages (None: the
+    cache could give it no more)."""
+    if hits >= (seq.num_tokens - 1) // page_size:
+        return None
+    return _hashes(seq, hits + 1, page_size)[hits]
+
+
 def commit(seq: Sequence, alloc: BlockAllocator) -> None:
     """Name the pages of ``seq`` that its computed tokens have filled since the last call."""
     ps = alloc.page_size

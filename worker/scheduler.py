@@ -124,13 +124,28 @@ class Scheduler:
 
     # ------------------------------------------------------------------ prefix caching
 
-    def _hits(self, seq: Sequence) -> list[int]:
-        """Cached pages a waiting sequence would start from (none when swapped out: its own come back)."""
+    def _may_hit(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence would start from cached pages (not when swapped out: its
+        own come back)."""
         if not self.caching or seq.host_pages is not None or seq.block_table:
-            return []
-        if seq.params.prompt_logprobs is not None and not seq.num_output_tokens and not seq.index:
-            return []  # its prompt is scored, so every prompt position must be computed (as vLLM does)
-        return prefix_cache.match(seq, self.alloc)
+            return False
+        # a scored prompt needs every prompt position computed (as vLLM does)
+        return seq.params.prompt_logprobs is None or bool(seq.num_output_tokens) or bool(seq.index)
+
+    def _hits(self, seq: Sequence) -> list[int]:
+        """Cached pages a waiting sequence would start from."""
+        return prefix_cache.match(seq, self.alloc) if self._may_hit(seq) else []
+
+    def _waits_for_prefix(self, seq: Sequence, computing: set[bytes]) -> bool:
+        """Whether the next page of ``seq``'s prefix past its cached ones is being computed by a
+        running prefill (``computing``): admitted a step or so later it finds that page, and
+        what follows, in the cache instead of computing them a second time. Requests sharing
+        a system prompt arrive together; without this, those admitted in the steps their
+        prompt's first request is prefilled would all compute it."""
+        if not self._may_hit(seq):
+            return False
+        name = prefix_cache.next_page(seq, len(self._hits(seq)), self.alloc.page_size)
+        return name is not None and name in computing
 
     def _held(self, seq: Sequence) -> int:
         return sum(1 for p in self._hits(seq) if self.alloc.refs(p) > 0)
@@ -260,22 +275,35 @@ class Scheduler:
         return True
 
     def _admit(self, out: SchedulerOutput, budget: int, preempted: set[int], now: float) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
+        """Admit waiting sequences in order. One whose prefix a running prefill is computing
+        is passed over for now (see _waits_for_prefix): it keeps its place at the head, and
+        those behind it may go first."""
+        ps = self.alloc.page_size
+        computing = set()
+        if self.caching:
+            for s in self.running:
+                computing.update(prefix_cache.computing(s, ps))
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[i]
             if id(seq) in preempted:
                 return  # evicted this very step: wait for the next
             verdict = self._decide(seq)
             if verdict.decision is Decision.REJECT:
                 self._reject(seq, verdict, out)
                 continue
-            self.admissions[verdict.decision] += 1
             if verdict.decision is Decision.DEFER:
+                self.admissions[Decision.DEFER] += 1
                 log.debug("defer %s: %s", seq.request_id, verdict.reason)
                 return
-            self.waiting.pop(0)
+            if computing and self._waits_for_prefix(seq, computing):
+                i += 1
+                continue
+            self.admissions[Decision.ADMIT] += 1
+            self.waiting.pop(i)
             self._take_hits(seq)
             if self.cfg.admission_policy == "reserve":
-                seq.reserved_pages = pages_to_admit(seq, self.cfg, self.alloc.page_size, len(seq.block_table))
+                seq.reserved_pages = pages_to_admit(seq, self.cfg, ps, len(seq.block_table))
                 self.alloc.reserved += seq.reserved_pages
             if seq.host_pages is not None:  # swapped out earlier: bring its pages back
                 assert self.host_alloc is not None
@@ -295,6 +323,8 @@ class Scheduler:
             self._grow(seq, seq.num_computed + n, out, preempted)  # admission checked the pages are there
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
             budget -= n
+            if self.caching:
+                computing.update(prefix_cache.computing(seq, ps))
             log.debug("admit %s (p%d, %d tokens)", seq.request_id, seq.priority, seq.num_tokens)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput, preempted: set[int], why: str) -> None:

@@ -447,6 +447,23 @@ def test_decode_attention_over_shared_pages_equals_dense_attention(window, softc
     _assert_dense(scheduled, cache, dec, window, softcap)
 
 
+@pytest.mark.parametrize("window, softcap", [(None, None), (9, None), (None, 2.0)])
+def test_shared_pages_of_a_prefix_tree_are_cut_into_segments_by_their_holders(window, softcap):
+    """A prefix tree: 12 pages all 6 decodes hold (more than one segment), then branches of 3
+    pages held by decodes 0-2 and of 2 pages held by 3-4; decode 5 goes on alone. Each set of
+    holders gets segments of its own pages, and attention is still exact (float64)."""
+    from worker.shared_pages import SEGMENT_PAGES
+
+    cache = _random_pool(2)
+    trunk, left, right = list(range(20, 32)), [40, 41, 42], [50, 51]
+    tables = [trunk + left + [0], trunk + left + [1, 2], trunk + left + [3], trunk + right + [4], trunk + right + [5, 6],
+              trunk + [7]]
+    scheduled, dec = _decoding(tables, cache)
+    segs = sorted((grp.m, grp.src.shape[0]) for grp in dec[5])
+    assert len(trunk) > SEGMENT_PAGES and segs == [(2, 1), (4, 1), (8, -(-len(trunk) // SEGMENT_PAGES))]
+    _assert_dense(scheduled, cache, dec, window, softcap)
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_pages_high_in_the_pool_are_read_in_place_from_the_lowest(window):
     """With caching on, finished sequences' pages stay cached low in the pool while new ones

@@ -177,8 +177,10 @@ def _decode(q, kc, vc, meta: StepMeta, window, scaling, softcap=None, sinks=None
     else:  # soft-capped before the mask
         s = torch.tanh_(torch.bmm(*qk).mul_(scaling / softcap)).mul_(softcap).add_(bias)
     s = s.view(Np, kvh, g, ps)
-    q4 = q.reshape(n, kvh, g, D)
-    shared = [(grp, shared_pages.scores(q4, kc, grp, window, scaling, softcap)) for grp in meta.dec_shared]
+    shared = []
+    if meta.dec_shared:
+        q4 = q.reshape(n, kvh, g, D).contiguous()  # gathered per holder: a strided gather is several times slower
+        shared = [(grp, shared_pages.scores(q4, kc, grp, window, scaling, softcap)) for grp in meta.dec_shared]
     # softmax over each sequence's slots, across its pages: subtract the sequence's max
     m = s.new_full((n + 1, kvh, g), float("-inf"))
     if sinks is not None:  # a sink is one more logit of each head: in the max and the denominator
@@ -186,7 +188,7 @@ def _decode(q, kc, vc, meta: StepMeta, window, scaling, softcap=None, sinks=None
         m[:n] = sink
     m.scatter_reduce_(0, acc[:, None, None].expand(Np, kvh, g), s.amax(-1), "amax")
     for grp, s2 in shared:
-        m.scatter_reduce_(0, grp.acc[:, None, None].expand(-1, kvh, g), s2.amax(-1), "amax")
+        m.scatter_reduce_(0, grp.acc[:, None, None].expand(-1, kvh, g), shared_pages.row_max(s2), "amax")
     e = torch.exp_(s.sub_(m.index_select(0, acc)[..., None]))  # pages of no decode: nan, summed into row n
     denom = s.new_zeros((n + 1, kvh, g)).index_add_(0, acc, e.sum(-1))
     if sinks is not None:
@@ -194,9 +196,9 @@ def _decode(q, kc, vc, meta: StepMeta, window, scaling, softcap=None, sinks=None
     o = torch.bmm(e.view(Np * kvh, g, ps), V.reshape(Np * kvh, ps, D)).view(Np, kvh, g, D)
     num = s.new_zeros((n + 1, kvh, g, D)).index_add_(0, acc, o)
     for grp, s2 in shared:
-        e2 = torch.exp_(s2.sub_(m.index_select(0, grp.acc)[..., None]))
-        denom.index_add_(0, grp.acc, e2.sum(-1))
-        num.index_add_(0, grp.acc, shared_pages.outputs(e2, vc, grp))
+        total, o2 = shared_pages.weigh(s2, m, vc, grp)
+        denom.index_add_(0, grp.acc, total)
+        num.index_add_(0, grp.acc, o2)
     return num[:n].div_(denom[:n, ..., None]).view(n, H, D)
 
 

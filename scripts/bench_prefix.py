@@ -63,7 +63,7 @@ def shared_prefix(args, model, model_dir, tok, config: str, eng_kw: dict, progre
             if skipped:  # it failed in an earlier round: it would fail again
                 return None
             try:
-                r = run_vllm(model, model_dir, wl, config, python=args.vllm_python, prefix_caching=True)
+                r = run_vllm(model, model_dir, wl, config, python=args.vllm_python, dtype=args.dtype, prefix_caching=True)
             except Exception as e:  # a peer that cannot run here must not sink the benchmark
                 skipped.append(f"{config} vllm: {type(e).__name__}: {e}")
                 return None

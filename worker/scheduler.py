@@ -15,7 +15,9 @@ Every step it does, in this order:
    when none is free evicts the least urgent running sequence (possibly itself).
 4. **Admit** waiting requests in order while tokens, sequence slots and pages allow. The
    first DEFER stops the walk, so a less urgent request never overtakes a more urgent one
-   that is waiting for room.
+   that is waiting for room. The one exception is made for the prefix cache: a request
+   whose next prompt page a running prefill is computing right now is passed over (the
+   walk goes on past it) until that page is cached, a step or so.
 
 Order is (priority, arrival). A preempted request keeps its arrival number, so it goes
 back to its place in the queue rather than behind later arrivals of its priority.
@@ -276,7 +278,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, preempted: set[int], now: float) -> None:
         """Admit waiting sequences in order. One whose prefix a running prefill is computing
-        is passed over for now (see _waits_for_prefix): it keeps its place at the head, and
+        is passed over for now (see _waits_for_prefix): it keeps its place in the queue, and
         those behind it may go first."""
         ps = self.alloc.page_size
         computing = set()

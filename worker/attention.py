@@ -184,11 +184,14 @@ def _decode(q, kc, vc, meta: StepMeta, window, scaling, softcap=None, sinks=None
         s = torch.baddbmm(bias, *qk, alpha=scaling)
     else:  # soft-capped before the mask
         s = torch.tanh_(torch.bmm(*qk).mul_(scaling / softcap)).mul_(softcap).add_(bias)
-    s = s.view(Np, kvh, g, ps)
+    # The softmax in float32 for half-precision scores (as transformers' eager paths do): also
+    # faster on CPU, whose bf16 elementwise ops run at a fraction of float32's rate.
+    work = _softmax_dtype(s.dtype)
+    s = s.view(Np, kvh, g, ps).to(work)
     shared = []
     if meta.dec_shared:
         q4 = q.reshape(n, kvh, g, D).contiguous()  # gathered per holder: a strided gather is several times slower
-        shared = [(grp, shared_pages.scores(q4, kc, grp, window, scaling, softcap)) for grp in meta.dec_shared]
+        shared = [(grp, shared_pages.scores(q4, kc, grp, window, scaling, softcap).to(work)) for grp in meta.dec_shared]
     # softmax over each sequence's slots, across its pages: subtract the sequence's max
     m = s.new_full((n + 1, kvh, g), float("-inf"))
     if sinks is not None:  # a sink is one more logit of each head: in the max and the denominator
@@ -201,13 +204,13 @@ def _decode(q, kc, vc, meta: StepMeta, window, scaling, softcap=None, sinks=None
     denom = s.new_zeros((n + 1, kvh, g)).index_add_(0, acc, e.sum(-1))
     if sinks is not None:
         denom[:n] += torch.exp(sink - m[:n])
-    o = torch.bmm(e.view(Np * kvh, g, ps), V.reshape(Np * kvh, ps, D)).view(Np, kvh, g, D)
-    num = s.new_zeros((n + 1, kvh, g, D)).index_add_(0, acc, o)
+    o = torch.bmm(e.view(Np * kvh, g, ps).to(V.dtype), V.reshape(Np * kvh, ps, D)).view(Np, kvh, g, D)
+    num = s.new_zeros((n + 1, kvh, g, D)).index_add_(0, acc, o.to(work))
     for grp, s2 in shared:
         total, o2 = shared_pages.weigh(s2, m, vc, grp)
         denom.index_add_(0, grp.acc, total)
         num.index_add_(0, grp.acc, o2)
-    return num[:n].div_(denom[:n, ..., None]).view(n, H, D)
+    return num[:n].div_(denom[:n, ..., None]).view(n, H, D).to(q.dtype)
 
 
 @contextlib.contextmanager

@@ -123,9 +123,10 @@ def row_max(s: torch.Tensor) -> torch.Tensor:
 
 def weigh(s: torch.Tensor, mx: torch.Tensor, vc: torch.Tensor, grp: SharedGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores and each decode's max ``mx`` [n + 1, kvh, g] -> (sum of exp(s - max) [Ns * m, kvh, g],
-    the weighted values [Ns * m, kvh, g, D]), rows as ``acc``. ``s`` is overwritten."""
+    the weighted values [Ns * m, kvh, g, D]), rows as ``acc``, in the dtype of ``s`` (the values
+    are multiplied in the cache's). ``s`` is overwritten."""
     Ns, kvh, m, g, slots = s.shape
     e = torch.exp_(s.sub_(mx.index_select(0, grp.acc).view(Ns, m, kvh, g).transpose(1, 2)[..., None]))
     total = e.sum(-1).transpose(1, 2).reshape(Ns * m, kvh, g)
-    o = torch.bmm(e.view(Ns * kvh, m * g, slots), _slots(vc, grp))
+    o = torch.bmm(e.view(Ns * kvh, m * g, slots).to(vc.dtype), _slots(vc, grp)).to(e.dtype)
     return total, o.view(Ns, kvh, m, g, -1).transpose(1, 2).reshape(Ns * m, kvh, g, -1)

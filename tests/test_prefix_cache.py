@@ -222,15 +222,20 @@ def test_shared_prefixes_are_exact_on_every_family(family):
     assert any(rid == "s6" and start > cached(run, "s6") for rid, start in starts) or len(reqs["s6"][0]) - cached(run, "s6") <= 32
 
 
+def _chunked_long_prompt(**cfg):
+    """A 90-token prompt, and an engine that prefills it in 16-token chunks over pages of 8."""
+    model, _ = pair("llama")
+    prompt = random_prompts(random.Random(4), 1, (90, 90))[0]
+    return prompt, make_engine(model, page_size=8, num_pages=80, max_num_seqs=3, max_num_batched_tokens=16, **cfg)
+
+
 def test_a_request_waits_for_the_page_a_running_prefill_is_computing():
     """One long prompt prefilled in 16-token chunks; a request with the same prompt waits for
     token budget, and when budget frees up (the step of the first one's last chunk) the next
     page of its prefix is the one that chunk is filling: it lets the request behind it go
     first (which finds every page of its own prefix cached), and is admitted a step later
     with all 11 pages cached instead of 10, not computing the 11th a second time."""
-    model, _ = pair("llama")
-    prompt = random_prompts(random.Random(4), 1, (90, 90))[0]
-    engine = make_engine(model, page_size=8, num_pages=80, max_num_seqs=3, max_num_batched_tokens=16)
+    prompt, engine = _chunked_long_prompt()
     reqs = {"a": (prompt, 6), "b": (prompt + [5], 6), "c": (prompt[:50] + [6, 7], 6)}
     run = drive(engine, {0: [(r, reqs[r][0], greedy(6)) for r in ("a", "b")], 3: [("c", reqs["c"][0], greedy(6))]})
     check_exact(run, reqs)
@@ -240,10 +245,7 @@ def test_a_request_waits_for_the_page_a_running_prefill_is_computing():
 
 
 def test_with_caching_off_nobody_waits_for_a_running_prefill():
-    model, _ = pair("llama")
-    prompt = random_prompts(random.Random(4), 1, (90, 90))[0]
-    engine = make_engine(model, page_size=8, num_pages=80, max_num_seqs=3, max_num_batched_tokens=16,
-                         enable_prefix_caching=False)
+    prompt, engine = _chunked_long_prompt(enable_prefix_caching=False)
     reqs = {"a": (prompt, 6), "b": (prompt + [5], 6)}
     run = drive(engine, {0: [(r, reqs[r][0], greedy(6)) for r in ("a", "b")]})
     check_exact(run, reqs)

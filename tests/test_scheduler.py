@@ -52,7 +52,8 @@ def check_exact(run, requests: dict[str, tuple[list[int], int]], family: str = "
 def make_seq(rid: str, prompt_len: int, max_tokens: int, priority: int = 1, arrival: int = 0, *,
              timeout_s: float | None = None, arrival_time: float = 0.0) -> Sequence:
     # a token of its own per request: prompts share no prefix (one sequence would wait for another's pages)
-    return Sequence(rid, [3 + zlib.crc32(rid.encode()) % 30000] * prompt_len, prompt_len, SamplingParams(max_tokens=max_tokens), priority, arrival,
+    token = 3 + zlib.crc32(rid.encode()) % 30000
+    return Sequence(rid, [token] * prompt_len, prompt_len, SamplingParams(max_tokens=max_tokens), priority, arrival,
                     arrival_time, seed=0, timeout_s=timeout_s)
 
 

@@ -453,13 +453,15 @@ def test_decode_attention_over_shared_pages_equals_dense_attention(window, softc
 def test_shared_pages_of_a_prefix_tree_are_cut_into_segments_by_their_holders(window, softcap):
     """A prefix tree: 12 pages all 6 decodes hold (more than one segment), then branches of 3
     pages held by decodes 0-2 and of 2 pages held by 3-4; decode 5 goes on alone. Each set of
-    holders gets segments of its own pages, and attention is still exact (float64)."""
+    holders gets segments of its own pages, and attention is still exact (float64), also with a
+    non-finite leftover in a page nobody holds (segments are padded to 8 pages)."""
     from worker.shared_pages import SEGMENT_PAGES
 
     cache = _random_pool(2)
+    cache.k[0, 0] = cache.v[0, 0] = float("inf")  # page 0: held by none of them
     trunk, left, right = list(range(20, 32)), [40, 41, 42], [50, 51]
-    tables = [trunk + left + [0], trunk + left + [1, 2], trunk + left + [3], trunk + right + [4], trunk + right + [5, 6],
-              trunk + [7]]
+    tables = [trunk + left + [1], trunk + left + [2, 3], trunk + left + [4], trunk + right + [5], trunk + right + [6, 7],
+              trunk + [8]]
     scheduled, dec = _decoding(tables, cache)
     segs = sorted((grp.m, grp.src.shape[0]) for grp in dec[5])
     assert len(trunk) > SEGMENT_PAGES and segs == [(2, 1), (4, 1), (8, -(-len(trunk) // SEGMENT_PAGES))]

@@ -32,7 +32,7 @@ _PAD_POS = 1 << 40  # position of a padding slot: past every context, so masked 
 class SharedGroup:
     """Segments held by up to ``m`` decodes each; holder slot ``j`` of segment ``i`` is one decode (or padding)."""
 
-    src: torch.Tensor  # [Ns, R] pool page numbers of each segment (padding: any page, its slots masked)
+    src: torch.Tensor  # [Ns, R] pool page numbers of each segment (padding: its first page again, masked)
     m: int
     acc: torch.Tensor  # [Ns * m] the decode of each (segment, holder); n_dec for padding
     qrow: torch.Tensor  # [Ns * m] query row of each (segment, holder)
@@ -84,6 +84,9 @@ def split(flat: torch.Tensor, acc: torch.Tensor, rank: torch.Tensor, ctx: torch.
         rk = torch.full((len(segs), SEGMENT_PAGES), -1, dtype=torch.long)
         hold = torch.full((len(segs), m), n, dtype=torch.long)
         for i, (who, seg) in enumerate(segs):
+            # padding repeats the segment's first page: its slots are masked, and its values are
+            # the holders' own (a page of another sequence could hold a non-finite leftover: 0 * inf)
+            src[i] = seg[0][0]
             src[i, :len(seg)] = torch.tensor([p for p, _ in seg])
             rk[i, :len(seg)] = torch.tensor([r for _, r in seg])
             hold[i, :len(who)] = torch.tensor(who)

@@ -237,9 +237,31 @@ def _ok(base: str) -> bool:
         return False
 
 
-def test_gateways_share_batches(worker, redis_url, r, monkeypatch):
+@pytest.fixture
+def own_worker(redis_url, tiny_model_dir, tmp_path):
+    """(prefix, WorkerProcess) on a prefix of this test's own. A gateway that an earlier test
+    left running on the shared worker's prefix would carry batches too (seen once: a third
+    runner held one of the leases)."""
+    import uuid
+
+    from helpers import spawn_worker
+
+    prefix = f"tqshare-{uuid.uuid4().hex[:8]}"
+    w = spawn_worker(prefix, model=str(tiny_model_dir), url=redis_url, log_dir=tmp_path, args=["--max-num-seqs", "16"])
+    try:
+        yield prefix, w
+    finally:
+        w.kill()
+        r = redis.Redis.from_url(redis_url)
+        keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            r.delete(*keys)
+        r.close()
+
+
+def test_gateways_share_batches(own_worker, redis_url, r, monkeypatch):
     monkeypatch.setattr(runner, "MAX_CARRIED", 2)
-    prefix, _ = worker
+    prefix, _ = own_worker
     keys = Keys(prefix)
     s = _settings(redis_url, prefix, batch_feed_limit=2)
     with serve_gateway(s) as a, serve_gateway(s) as b:

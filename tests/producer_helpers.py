@@ -42,31 +42,36 @@ def error(rid: str, code: str = "internal", message: str = "boom") -> dict[str, 
 # ---------------------------------------------------------------------------- a shared real worker
 
 
+def start_worker(tag: str, redis_url: str, model_dir: str, log_dir: Path):
+    """(prefix, WorkerProcess): a real worker on a new prefix ``<tag>-<random>``."""
+    from helpers import spawn_worker
+
+    prefix = f"{tag}-{uuid.uuid4().hex[:8]}"
+    return prefix, spawn_worker(prefix, model=str(model_dir), url=redis_url, log_dir=log_dir,
+                                args=["--max-num-seqs", "16"])
+
+
+def stop_worker(redis_url: str, prefix: str, w) -> None:
+    """Kill a worker from start_worker and remove its prefix's keys."""
+    w.kill()
+    r = redis.Redis.from_url(redis_url)
+    keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+    if keys:
+        r.delete(*keys)
+    r.close()
+
+
 def shared_worker(request, redis_url: str, model_dir: str, tmp_path_factory):
     """(prefix, WorkerProcess): one real worker on a prefix of its own, started once per pytest
     session for all producer test files (a worker takes ~10 s to start on these machines),
     killed and its keys removed when the session ends."""
-    from helpers import spawn_worker
-
     cfg = request.config
     cached = getattr(cfg, "_tokenq_producer_worker", None)
     if cached is not None and cached[1].proc.poll() is None:
         return cached
-    prefix = f"tqprod-{uuid.uuid4().hex[:8]}"
-    log_dir = Path(tmp_path_factory.mktemp("producer-worker"))
-    w = spawn_worker(prefix, model=str(model_dir), url=redis_url, log_dir=log_dir,
-                     args=["--max-num-seqs", "16"])
+    prefix, w = start_worker("tqprod", redis_url, model_dir, Path(tmp_path_factory.mktemp("producer-worker")))
     cfg._tokenq_producer_worker = (prefix, w)
-
-    def cleanup() -> None:
-        w.kill()
-        r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
-        if keys:
-            r.delete(*keys)
-        r.close()
-
-    cfg.add_cleanup(cleanup)
+    cfg.add_cleanup(lambda: stop_worker(redis_url, prefix, w))
     return prefix, w
 
 

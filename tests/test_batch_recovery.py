@@ -18,7 +18,16 @@ import openai
 import pytest
 import redis
 from batch_helpers import by_custom_id, chat_line, completion_line, lines_of, submit, wait_batch
-from producer_helpers import done, publish, serve_gateway, shared_worker, tokens, wait_for
+from producer_helpers import (
+    done,
+    publish,
+    serve_gateway,
+    shared_worker,
+    start_worker,
+    stop_worker,
+    tokens,
+    wait_for,
+)
 
 from common.keys import Keys
 from common.local_redis import free_port
@@ -242,21 +251,11 @@ def own_worker(redis_url, tiny_model_dir, tmp_path):
     """(prefix, WorkerProcess) on a prefix of this test's own. A gateway that an earlier test
     left running on the shared worker's prefix would carry batches too (seen once: a third
     runner held one of the leases)."""
-    import uuid
-
-    from helpers import spawn_worker
-
-    prefix = f"tqshare-{uuid.uuid4().hex[:8]}"
-    w = spawn_worker(prefix, model=str(tiny_model_dir), url=redis_url, log_dir=tmp_path, args=["--max-num-seqs", "16"])
+    prefix, w = start_worker("tqshare", redis_url, tiny_model_dir, tmp_path)
     try:
         yield prefix, w
     finally:
-        w.kill()
-        r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
-        if keys:
-            r.delete(*keys)
-        r.close()
+        stop_worker(redis_url, prefix, w)
 
 
 def test_gateways_share_batches(own_worker, redis_url, r, monkeypatch):

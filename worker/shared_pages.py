@@ -38,17 +38,26 @@ class SharedGroup:
     qrow: torch.Tensor  # [Ns * m] query row of each (segment, holder)
     pos: torch.Tensor  # [Ns, R * page_size] position of each slot in its holders (a prefix: the same in all)
     ctx: torch.Tensor  # [Ns, m] context length of each holder (0 for padding)
-    _masks: dict = field(default_factory=dict)
+    _memo: dict = field(default_factory=dict)  # built once per step, used by every layer
+
+    def rows(self, kvh: int) -> torch.Tensor:
+        """[Ns * kvh * R] the (page, kv head) blocks of a layer's pool viewed as [pages * kvh, ps, D],
+        in (segment, head, page) order."""
+        r = self._memo.get(("rows", kvh))
+        if r is None:
+            heads = torch.arange(kvh, device=self.src.device)
+            r = self._memo[("rows", kvh)] = (self.src[:, None, :] * kvh + heads[None, :, None]).view(-1)
+        return r
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[Ns, 1, m, 1, R * ps]: True where a holder attends to the segment's slot."""
-        b = self._masks.get(window)
+        b = self._memo.get(window)
         if b is None:
             pos, ctx = self.pos[:, None, :], self.ctx[:, :, None]
             m = pos < ctx
             if window is not None:
                 m &= pos > ctx - 1 - window
-            b = self._masks[window] = m[:, None, :, None, :]
+            b = self._memo[window] = m[:, None, :, None, :]
         return b
 
 
@@ -100,7 +109,8 @@ def _slots(cache: torch.Tensor, grp: SharedGroup) -> torch.Tensor:
     """[Ns * kvh, R * ps, D]: the segments' K (or V), each kv head's slots in one row block."""
     Ns, R = grp.src.shape
     _, kvh, ps, D = cache.shape
-    return cache.index_select(0, grp.src.view(-1)).view(Ns, R, kvh, ps, D).transpose(1, 2).reshape(Ns * kvh, R * ps, D)
+    # one gather of (page, head) blocks, already in (segment, head, page) order: no transposing copy after it
+    return cache.view(-1, ps, D).index_select(0, grp.rows(kvh)).view(Ns * kvh, R * ps, D)
 
 
 def scores(q: torch.Tensor, kc: torch.Tensor, grp: SharedGroup, window: int | None, scaling: float,

@@ -476,5 +476,27 @@ def test_decode_pages_high_in_the_pool_are_read_in_place_from_the_lowest(window)
     cache = _random_pool(1)
     pages = list(range(63, 39, -1))  # handed out from the top, and interleaved between sequences
     scheduled, dec = _decoding([pages[i::6] for i in range(6)], cache)
-    assert dec[0] is None and dec[1] == (40, 64)  # in place, from the lowest page held
+    assert dec[0] is None and dec[1] == [(40, 64)]  # in place, from the lowest page held
     _assert_dense(scheduled, cache, dec, window, None)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_pages_in_runs_far_apart_are_read_in_place_as_spans(window):
+    """Live pages in two runs with cached pages between them (prefix caching keeps finished
+    sequences' pages): two spans in place, [2, 10) and [44, 52), not one span over the pages
+    between and not a gather; attention is still exact."""
+    cache = _random_pool(4)
+    pages = list(range(2, 10)) + list(range(44, 52))  # a gap of 34 pages
+    scheduled, dec = _decoding([pages[i::4] for i in range(4)], cache)
+    assert dec[0] is None and dec[1] == [(2, 10), (44, 52)]
+    _assert_dense(scheduled, cache, dec, window, None)
+
+
+def test_spans_split_at_the_largest_gaps_only():
+    from worker import runner
+
+    assert runner.spans([41, 0, 2, 1, 40, 80, 90]) == [(0, 3), (40, 42), (80, 91)]  # a gap of 9 is read through
+    many = [10 * k * (k + 1) for k in range(runner.MAX_SPANS + 3)]  # gaps growing: 19, 39, 59, ...
+    got = runner.spans(many)  # the three smallest gaps are the ones read through
+    assert len(got) == runner.MAX_SPANS and got[0] == (0, many[3] + 1) and got[1] == (many[4], many[4] + 1)
+    assert runner.spans([]) == []

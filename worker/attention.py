@@ -32,25 +32,26 @@ class StepMeta:
     """Where this step's tokens go in the cache and what each attends to (shared by all layers).
 
     Decode attention works page by page on a list of "decode pages": either the pool's
-    pages ``dec_span = (lo, hi)`` in place (``dec_src`` is None: no copy at all; pages there that
-    belong to no decoding sequence are masked out), or the decoding sequences' own pages
-    gathered (``dec_src``: their page numbers), whichever touches less memory. For each
+    pages in the spans ``dec_spans = [(lo, hi), ...]``, one after the other, in place
+    (``dec_src`` is None: no copy at all; pages there that belong to no decoding sequence are
+    masked out), or the decoding sequences' own pages gathered (``dec_src``: their page
+    numbers), whichever touches less memory. For each
     decode page: the decode it belongs to (``dec_acc``; ``n_dec`` for none), and the position
     of each of its slots in that sequence (``dec_pos``). Pages several decodes share (a
     cached prefix) are not among them: ``dec_shared`` holds those, read once for all their
     holders (worker/shared_pages.py).
     """
 
-    __slots__ = ("k", "v", "write_pages", "write_offs", "n_dec", "dec_src", "dec_span", "dec_acc", "dec_qrow", "dec_pos",
+    __slots__ = ("k", "v", "write_pages", "write_offs", "n_dec", "dec_src", "dec_spans", "dec_acc", "dec_qrow", "dec_pos",
                  "dec_ctx", "prefills", "_masks", "dec_shared")
 
-    def __init__(self, k, v, write_pages, write_offs, n_dec, dec_src, dec_span, dec_acc, dec_pos, dec_ctx, prefills,
+    def __init__(self, k, v, write_pages, write_offs, n_dec, dec_src, dec_spans, dec_acc, dec_pos, dec_ctx, prefills,
                  dec_shared=()):
         self.k, self.v = k, v  # [layers, pages, kv_heads, page_size, head_dim]
         self.write_pages, self.write_offs = write_pages, write_offs  # [T] each
         self.n_dec = n_dec
-        self.dec_src = dec_src  # None (pool pages [lo, hi) of dec_span in place) or [Np] page numbers to gather
-        self.dec_span = dec_span
+        self.dec_src = dec_src  # None (the pool's pages in dec_spans, in place) or [Np] page numbers to gather
+        self.dec_spans = dec_spans
         self.dec_acc = dec_acc  # [Np] the decode each page belongs to (n_dec: none)
         self.dec_qrow = dec_acc.clamp(max=max(n_dec - 1, 0)) if n_dec else None  # query row to use for each page
         self.dec_pos = dec_pos  # [Np, page_size] position of each slot in its sequence
@@ -169,21 +170,25 @@ def _decode(q, kc, vc, meta: StepMeta, window, scaling, softcap=None, sinks=None
     n, H, D = q.shape
     kvh, ps = kc.shape[1], kc.shape[2]
     g = H // kvh
-    if meta.dec_src is None:
-        lo, hi = meta.dec_span
-        Np = hi - lo
-        K, V = kc[lo:hi], vc[lo:hi]  # views of the pool: nothing copied
+    if meta.dec_src is None:  # views of the pool: nothing copied
+        parts = [(kc[lo:hi].view(-1, ps, D), vc[lo:hi].view(-1, ps, D)) for lo, hi in meta.dec_spans]
     else:
-        Np = meta.dec_src.shape[0]
-        K, V = kc.index_select(0, meta.dec_src), vc.index_select(0, meta.dec_src)
+        parts = [(kc.index_select(0, meta.dec_src).view(-1, ps, D), vc.index_select(0, meta.dec_src).view(-1, ps, D))]
+    Np = meta.dec_acc.shape[0]
     acc = meta.dec_acc
-    qp = q.reshape(n, kvh, g, D).index_select(0, meta.dec_qrow)  # [Np, kvh, g, D]
+    qp = q.reshape(n, kvh, g, D).index_select(0, meta.dec_qrow).view(Np * kvh, g, D)
     bias = meta.decode_bias(window, kvh, q.dtype)
-    qk = (qp.view(Np * kvh, g, D), K.reshape(Np * kvh, ps, D).transpose(1, 2))
-    if softcap is None:  # scores, scaled and masked in one call: bias + scaling * q k^T
-        s = torch.baddbmm(bias, *qk, alpha=scaling)
-    else:  # soft-capped before the mask
-        s = torch.tanh_(torch.bmm(*qk).mul_(scaling / softcap)).mul_(softcap).add_(bias)
+    s = q.new_empty(Np * kvh, g, ps)
+    a = 0
+    for K, _ in parts:  # rows [a, b) of the (page, kv head) list: one span
+        b = a + K.shape[0]
+        if softcap is None:  # scores, scaled and masked in one call: bias + scaling * q k^T
+            torch.baddbmm(bias[a:b], qp[a:b], K.transpose(1, 2), alpha=scaling, out=s[a:b])
+        else:
+            torch.bmm(qp[a:b], K.transpose(1, 2), out=s[a:b])
+        a = b
+    if softcap is not None:  # soft-capped before the mask
+        s = torch.tanh_(s.mul_(scaling / softcap)).mul_(softcap).add_(bias)
     # The softmax in float32 for half-precision scores (as transformers' eager paths do): also
     # faster on CPU, whose bf16 elementwise ops run at a fraction of float32's rate.
     work = _softmax_dtype(s.dtype)
@@ -204,7 +209,14 @@ def _decode(q, kc, vc, meta: StepMeta, window, scaling, softcap=None, sinks=None
     denom = s.new_zeros((n + 1, kvh, g)).index_add_(0, acc, e.sum(-1))
     if sinks is not None:
         denom[:n] += torch.exp(sink - m[:n])
-    o = torch.bmm(e.view(Np * kvh, g, ps).to(V.dtype), V.reshape(Np * kvh, ps, D)).view(Np, kvh, g, D)
+    ev = e.view(Np * kvh, g, ps).to(kc.dtype)
+    o = ev.new_empty(Np * kvh, g, D)
+    a = 0
+    for _, V in parts:
+        b = a + V.shape[0]
+        torch.bmm(ev[a:b], V, out=o[a:b])
+        a = b
+    o = o.view(Np, kvh, g, D)
     num = s.new_zeros((n + 1, kvh, g, D)).index_add_(0, acc, o.to(work))
     for grp, s2 in shared:
         total, o2 = shared_pages.weigh(s2, m, vc, grp)

@@ -18,11 +18,33 @@ from worker.cache import KVCache
 from worker.logprobs import prompt_span
 from worker.scheduler import ScheduledSeq, SchedulerOutput
 
-# Decode attention reads the pool's pages [lo, hi) in place (lo and hi: the lowest and highest
-# page a decode holds, + 1) while that span is at most this many times the decoding sequences'
-# own pages; past that it gathers their pages (a copy costs about two extra passes over the
-# data, computing and masking a foreign page one).
+# Decode attention reads the pool in place, over a few spans of pages that cover the decoding
+# sequences' own pages (the pages in between are computed and masked), while the spans are at
+# most this many times those pages; past that it gathers their pages (a copy costs about two
+# extra passes over the data, computing and masking a foreign page one).
 IN_PLACE_FACTOR = 2.0
+# The spans: split at the largest gaps between the decodes' pages, at most MAX_SPANS of them
+# (each costs two more small products per layer, some 20-30 us), and only at gaps of MIN_GAP
+# pages or more (reading 16 pages of SmolLM2's K and V takes about that long).
+# With prefix caching on, finished sequences' pages stay cached between the live ones, so
+# one span from the lowest to the highest live page grows until the step has to gather.
+MAX_SPANS = 8
+MIN_GAP = 16
+
+
+def spans(pages: list[int]) -> list[tuple[int, int]]:
+    """Spans [lo, hi) of the pool that cover ``pages`` (distinct), in ascending order."""
+    if not pages:
+        return []
+    pages = sorted(pages)
+    gaps = [(b - a - 1, i) for i, (a, b) in enumerate(zip(pages, pages[1:])) if b - a - 1 >= MIN_GAP]
+    cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:MAX_SPANS - 1])
+    out, lo = [], pages[0]
+    for i in cuts:
+        out.append((lo, pages[i] + 1))
+        lo = pages[i + 1]
+    out.append((lo, pages[-1] + 1))
+    return out
 
 
 def _ints(values: list[int]) -> torch.Tensor:
@@ -119,20 +141,20 @@ class ModelRunner:
         return meta, _ints(ids).to(dev), positions.to(dev), sample_rows.to(dev)
 
     def _decode_pages(self, decodes: list[ScheduledSeq], ctx: torch.Tensor):
-        """The decode pages of the step (see StepMeta): (src, span, acc, pos, ctx per page, shared groups).
+        """The decode pages of the step (see StepMeta): (src, spans, acc, pos, ctx per page, shared groups).
 
-        In place over the pool's pages ``span = (lo, hi)`` when they are at most
+        In place over a few spans of the pool (``spans``, see MAX_SPANS) when they are at most
         ``IN_PLACE_FACTOR`` times the decodes' own pages (the pages there outside any decode
         are computed and masked, which costs less than copying); else the decodes' pages,
-        gathered. The span starts at the lowest page a decode holds, not at page 0: with
-        prefix caching on, the pages of finished sequences stay cached below the live ones
-        (an allocation takes never-cached pages first), and reading them would cost what
-        caching saves when nothing hits."""
+        gathered (``src``). With prefix caching on, the pages of finished sequences stay
+        cached between and below the live ones (an allocation takes never-cached pages first),
+        and reading them would cost what caching saves when nothing hits: the spans skip the
+        largest runs of them."""
         dev, ps = self.device, self.page_size
         n = len(decodes)
         if not n:
             z = torch.zeros(0, dtype=torch.long, device=dev)
-            return None, (0, 0), z, z.view(0, ps), z, []
+            return None, [], z, z.view(0, ps), z, []
         flat_list = list(itertools.chain.from_iterable(s.seq.block_table for s in decodes))
         counts = _ints([len(s.seq.block_table) for s in decodes])
         flat = _ints(flat_list)
@@ -143,17 +165,24 @@ class ModelRunner:
             keep, shared = shared_pages.split(flat, acc, rank, ctx, n, ps, dev)
             flat, acc, rank = flat[keep], acc[keep], rank[keep]
             flat_list = flat.tolist()
-        lo, hi = min(flat_list, default=0), max(flat_list, default=-1) + 1
-        span = (lo, max(lo, hi))
-        if hi - lo <= IN_PLACE_FACTOR * len(flat_list):
+        cover = spans(flat_list)
+        read = sum(hi - lo for lo, hi in cover)
+        if read <= IN_PLACE_FACTOR * len(flat_list):
             src = None
-            acc_r = torch.full((span[1] - lo,), n, dtype=torch.long)
-            acc_r[flat - lo] = acc
-            rank_r = torch.zeros(span[1] - lo, dtype=torch.long)
-            rank_r[flat - lo] = rank
+            # decode page list = the spans' pages one after the other: page p of span i at
+            # first[i] + p - lo[i]
+            lo = _ints([a for a, _ in cover])
+            length = _ints([b - a for a, b in cover])
+            first = torch.cumsum(length, 0) - length
+            span_of = torch.searchsorted(lo, flat, right=True) - 1
+            at = first[span_of] + flat - lo[span_of]
+            acc_r = torch.full((read,), n, dtype=torch.long)
+            acc_r[at] = acc
+            rank_r = torch.zeros(read, dtype=torch.long)
+            rank_r[at] = rank
             acc, rank = acc_r, rank_r
         else:
-            src = flat.to(dev)
+            src, cover = flat.to(dev), []
         pos = rank[:, None] * ps + torch.arange(ps)[None, :]
         ctx_p = torch.cat([ctx, ctx.new_zeros(1)])[acc]
-        return src, span, acc.to(dev), pos.to(dev), ctx_p.to(dev), shared
+        return src, cover, acc.to(dev), pos.to(dev), ctx_p.to(dev), shared

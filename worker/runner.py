@@ -32,19 +32,18 @@ MAX_SPANS = 8
 MIN_GAP = 16
 
 
-def spans(pages: list[int]) -> list[tuple[int, int]]:
-    """Spans [lo, hi) of the pool that cover ``pages`` (distinct), in ascending order."""
-    if not pages:
+def spans(pages: torch.Tensor) -> list[tuple[int, int]]:
+    """Spans [lo, hi) of the pool that cover ``pages`` (distinct page numbers), in ascending order."""
+    if not len(pages):
         return []
-    pages = sorted(pages)
-    gaps = [(b - a - 1, i) for i, (a, b) in enumerate(zip(pages, pages[1:])) if b - a - 1 >= MIN_GAP]
-    cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:MAX_SPANS - 1])
-    out, lo = [], pages[0]
-    for i in cuts:
-        out.append((lo, pages[i] + 1))
-        lo = pages[i + 1]
-    out.append((lo, pages[-1] + 1))
-    return out
+    t = torch.sort(torch.as_tensor(pages)).values
+    gap = t[1:] - t[:-1] - 1
+    cut = (gap >= MIN_GAP).nonzero().squeeze(1)  # a span ends at t[i] and the next starts at t[i + 1]
+    if len(cut) > MAX_SPANS - 1:
+        cut = torch.sort(cut[gap[cut].topk(MAX_SPANS - 1).indices]).values
+    lo = torch.cat([t[:1], t[cut + 1]])
+    hi = torch.cat([t[cut], t[-1:]]) + 1
+    return list(zip(lo.tolist(), hi.tolist()))
 
 
 def _ints(values: list[int]) -> torch.Tensor:
@@ -165,7 +164,7 @@ class ModelRunner:
             keep, shared = shared_pages.split(flat, acc, rank, ctx, n, ps, dev)
             flat, acc, rank = flat[keep], acc[keep], rank[keep]
             flat_list = flat.tolist()
-        cover = spans(flat_list)
+        cover = spans(flat)
         read = sum(hi - lo for lo, hi in cover)
         if read <= IN_PLACE_FACTOR * len(flat_list):
             src = None

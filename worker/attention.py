@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -174,19 +175,18 @@ def _decode(q, kc, vc, meta: StepMeta, window, scaling, softcap=None, sinks=None
         parts = [(kc[lo:hi].view(-1, ps, D), vc[lo:hi].view(-1, ps, D)) for lo, hi in meta.dec_spans]
     else:
         parts = [(kc.index_select(0, meta.dec_src).view(-1, ps, D), vc.index_select(0, meta.dec_src).view(-1, ps, D))]
+    ends = list(itertools.accumulate(K.shape[0] for K, _ in parts))
+    rows = [slice(b - K.shape[0], b) for b, (K, _) in zip(ends, parts)]  # each part's rows of the (page, kv head) list
     Np = meta.dec_acc.shape[0]
     acc = meta.dec_acc
     qp = q.reshape(n, kvh, g, D).index_select(0, meta.dec_qrow).view(Np * kvh, g, D)
     bias = meta.decode_bias(window, kvh, q.dtype)
     s = q.new_empty(Np * kvh, g, ps)
-    a = 0
-    for K, _ in parts:  # rows [a, b) of the (page, kv head) list: one span
-        b = a + K.shape[0]
+    for r, (K, _) in zip(rows, parts):
         if softcap is None:  # scores, scaled and masked in one call: bias + scaling * q k^T
-            torch.baddbmm(bias[a:b], qp[a:b], K.transpose(1, 2), alpha=scaling, out=s[a:b])
+            torch.baddbmm(bias[r], qp[r], K.transpose(1, 2), alpha=scaling, out=s[r])
         else:
-            torch.bmm(qp[a:b], K.transpose(1, 2), out=s[a:b])
-        a = b
+            torch.bmm(qp[r], K.transpose(1, 2), out=s[r])
     if softcap is not None:  # soft-capped before the mask
         s = torch.tanh_(s.mul_(scaling / softcap)).mul_(softcap).add_(bias)
     # The softmax in float32 for half-precision scores (as transformers' eager paths do): also
@@ -211,11 +211,8 @@ def _decode(q, kc, vc, meta: StepMeta, window, scaling, softcap=None, sinks=None
         denom[:n] += torch.exp(sink - m[:n])
     ev = e.view(Np * kvh, g, ps).to(kc.dtype)
     o = ev.new_empty(Np * kvh, g, D)
-    a = 0
-    for _, V in parts:
-        b = a + V.shape[0]
-        torch.bmm(ev[a:b], V, out=o[a:b])
-        a = b
+    for r, (_, V) in zip(rows, parts):
+        torch.bmm(ev[r], V, out=o[r])
     o = o.view(Np, kvh, g, D)
     num = s.new_zeros((n + 1, kvh, g, D)).index_add_(0, acc, o.to(work))
     for grp, s2 in shared:

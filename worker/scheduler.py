@@ -282,7 +282,7 @@ class Scheduler:
         those behind it may go first."""
         ps = self.alloc.page_size
         computing = set()
-        if self.caching:
+        if self.caching and self.waiting:
             for s in self.running:
                 computing.update(prefix_cache.computing(s, ps))
         i = 0

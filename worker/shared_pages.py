@@ -51,13 +51,13 @@ class SharedGroup:
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[Ns, 1, m, 1, R * ps]: True where a holder attends to the segment's slot."""
-        b = self._memo.get(window)
+        b = self._memo.get(("mask", window))
         if b is None:
             pos, ctx = self.pos[:, None, :], self.ctx[:, :, None]
             m = pos < ctx
             if window is not None:
                 m &= pos > ctx - 1 - window
-            b = self._memo[window] = m[:, None, :, None, :]
+            b = self._memo[("mask", window)] = m[:, None, :, None, :]
         return b
 
 

@@ -12,6 +12,10 @@ ENV PYTHONUNBUFFERED=1 \
 
 # torch first and pinned, as scripts/_setup.sh does: 2.13.0 as a CPU build by default (PyPI's
 # Linux wheel is the multi-GB CUDA build); a CUDA index for GPU images.
+# g++ builds the worker's native decode kernel on first start (worker/native.py; cached in
+# /cache/torch_extensions after that); without it the worker runs its torch path.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"

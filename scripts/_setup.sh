@@ -27,6 +27,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# The native decode kernel, built once per machine and cached (worker/native.py): here rather
+# than inside the first worker or test that starts an engine.
+"$PY" -c "from worker import native; native.load() or print('native kernel:', native.error())" >&2
+
 # A Redis that answers: TOKENQ_REDIS_URL / localhost:6379, else one we start and stop.
 eval "$("$PY" scripts/redis_up.py)"
 stop_started_redis() {

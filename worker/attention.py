@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import transformers
 import transformers.masking_utils
 
-from worker import fallback, shared_pages
+from worker import fallback, native, shared_pages
 
 NAME = fallback.NAME
 # a list while the start-up probe records the attention calls (worker/probe.py)
@@ -41,13 +41,17 @@ class StepMeta:
     of each of its slots in that sequence (``dec_pos``). Pages several decodes share (a
     cached prefix) are not among them: ``dec_shared`` holds those, read once for all their
     holders (worker/shared_pages.py).
+
+    With the native kernel (worker/native.py), none of that: ``dec_tables`` holds the
+    decodes' block tables, where each starts, and each one's context length, and the kernel
+    walks them.
     """
 
     __slots__ = ("k", "v", "write_pages", "write_offs", "n_dec", "dec_src", "dec_spans", "dec_acc", "dec_qrow", "dec_pos",
-                 "dec_ctx", "prefills", "_masks", "dec_shared")
+                 "dec_ctx", "prefills", "_masks", "dec_shared", "dec_tables")
 
     def __init__(self, k, v, write_pages, write_offs, n_dec, dec_src, dec_spans, dec_acc, dec_pos, dec_ctx, prefills,
-                 dec_shared=()):
+                 dec_shared=(), dec_tables=None):
         self.k, self.v = k, v  # [layers, pages, kv_heads, page_size, head_dim]
         self.write_pages, self.write_offs = write_pages, write_offs  # [T] each
         self.n_dec = n_dec
@@ -60,6 +64,7 @@ class StepMeta:
         self.prefills = prefills  # [(first row, end row, tokens already cached, page tensor)]
         self._masks: dict[tuple, torch.Tensor] = {}
         self.dec_shared = dec_shared  # [shared_pages.SharedGroup]
+        self.dec_tables = dec_tables  # None, or (tables, offsets, ctx) for the native kernel
 
     def decode_bias(self, window: int | None, kvh: int, dtype: torch.dtype) -> torch.Tensor:
         """[Np * kvh, 1, page_size]: 0 where a decode page's slot is attended, -inf where not."""
@@ -123,7 +128,9 @@ def _paged(module, query, key, value, meta: StepMeta, scaling, window, softcap, 
     #    less memory), then a softmax across each sequence's pages (a segmented
     #    log-sum-exp). No K/V copy per sequence, no padding to the longest sequence.
     n = meta.n_dec
-    if n:
+    if n and meta.dec_tables is not None:
+        out[:n] = native.paged_decode(q_all[:n], kc, vc, *meta.dec_tables, scaling, window, softcap, sinks)
+    elif n:
         out[:n] = _decode(q_all[:n], kc, vc, meta, window, scaling, softcap, sinks)
 
     # 3. Prefill chunks, each against its cached prefix plus itself.

@@ -15,7 +15,7 @@ import time
 import torch
 
 from common.protocol import SamplingParams
-from worker import attention, fallback, fastpath, logprobs, prefix_cache, probe, sampler, structured
+from worker import attention, fallback, fastpath, logprobs, native, prefix_cache, probe, sampler, structured
 from worker.admission import Decision, decide
 from worker.cache import BlockAllocator, KVCache
 from worker.config import EngineConfig
@@ -64,7 +64,10 @@ class Engine:
         model_len = max_exact_len(mcfg)
         self.max_model_len = min(cfg.max_model_len or model_len, model_len, num_pages * cfg.page_size)
         self.scheduler = Scheduler(cfg, self.allocator, self.max_model_len, host_alloc)
-        self.runner = ModelRunner(fastpath.forward_model(self.model, self.device, cfg.fast_path), self.cache)
+        self.runner = ModelRunner(fastpath.forward_model(self.model, self.device, cfg.fast_path), self.cache,
+                                  native_decode=cfg.fast_path and native.usable(self.device, self.dtype))
+        log.info("decode attention: %s", "native kernel (worker/native.py)" if self.runner.native_decode else
+                 "torch ops" + (f" ({native.error()})" if native.error() else ""))
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = self._eos_ids(model, tokenizer)
         self._seqs: dict[str, list[Sequence]] = {}  # request id -> its choices (n of them)

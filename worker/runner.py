@@ -52,11 +52,13 @@ def _ints(values: list[int]) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache):
+    def __init__(self, model: torch.nn.Module, cache: KVCache, native_decode: bool = False):
         self.model = model
         self.cache = cache
         self.device = cache.k.device
         self.page_size = cache.page_size
+        # decode attention through the native kernel (worker/native.py) rather than torch ops
+        self.native_decode = native_decode
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], list[tuple[ScheduledSeq, int, torch.Tensor]]]:
@@ -128,7 +130,10 @@ class ModelRunner:
         write_pages = torch.cat(wp)
         write_offs = positions % ps
 
-        dec = self._decode_pages(decodes, starts[:n_dec] + 1)
+        if self.native_decode:
+            dec, tables = self._decode_pages([], None), self._decode_tables(decodes, starts[:n_dec] + 1)
+        else:
+            dec, tables = self._decode_pages(decodes, starts[:n_dec] + 1), None
         prefills = []
         a = n_dec
         for s in chunks:
@@ -136,8 +141,16 @@ class ModelRunner:
             prefills.append((a, a + s.num_tokens, s.start, pages))
             a += s.num_tokens
         sample_rows = (ends - 1)[torch.tensor([s.sample for s in batch], dtype=torch.bool)]
-        meta = StepMeta(self.cache.k, self.cache.v, write_pages.to(dev), write_offs.to(dev), n_dec, *dec[:5], prefills, dec[5])
+        meta = StepMeta(self.cache.k, self.cache.v, write_pages.to(dev), write_offs.to(dev), n_dec, *dec[:5], prefills, dec[5],
+                        tables)
         return meta, _ints(ids).to(dev), positions.to(dev), sample_rows.to(dev)
+
+    def _decode_tables(self, decodes: list[ScheduledSeq], ctx: torch.Tensor):
+        """The native kernel's view of the decodes: their block tables one after the other,
+        where each starts ([n + 1]), and the slots each attends ([n])."""
+        tables = [s.seq.block_table for s in decodes]
+        offsets = _ints([0, *itertools.accumulate(map(len, tables))])
+        return _ints(list(itertools.chain.from_iterable(tables))), offsets, ctx
 
     def _decode_pages(self, decodes: list[ScheduledSeq], ctx: torch.Tensor):
         """The decode pages of the step (see StepMeta): (src, spans, acc, pos, ctx per page, shared groups).

@@ -1,0 +1,119 @@
+"""The native paged decode kernel (worker/native.py, worker/csrc/paged_decode.cpp) against a
+dense float64 reference, and where the engine uses it.
+
+End to end, the kernel is part of the fast path: tests/test_fastpath.py's greedy agreement
+(200 requests per family) and per-step logits (1e-4) compare an engine that decodes through
+it with the eager engine, which decodes through the torch path (worker/attention.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from engine_helpers import make_engine
+from tiny import tiny_model
+
+from worker import native
+
+pytestmark = pytest.mark.skipif(not native.usable(torch.device("cpu"), torch.float32),
+                                reason=f"the native kernel cannot be built here: {native.error()}")
+
+# float32: summation order only; half precision: the output's own rounding dominates
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+def _dense(q, kc, vc, tables, ctx, scale, window=None, softcap=None, sinks=None) -> torch.Tensor:
+    """Each decode's attention over its first ctx slots, in float64, one sequence at a time."""
+    n, H, D = q.shape
+    kvh = kc.shape[1]
+    g = H // kvh
+    out = torch.empty(n, H, D, dtype=torch.float64)
+    for i in range(n):
+        pages = torch.tensor(tables[i])
+        k = kc[pages].transpose(0, 1).reshape(kvh, -1, D)[:, :ctx[i]].double().repeat_interleave(g, 0)
+        v = vc[pages].transpose(0, 1).reshape(kvh, -1, D)[:, :ctx[i]].double().repeat_interleave(g, 0)
+        s = torch.einsum("hd,hsd->hs", q[i].double(), k) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        if window:
+            s[:, :max(0, ctx[i] - window)] = float("-inf")
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None]], 1)
+        p = torch.softmax(s, -1)[:, :ctx[i]]
+        out[i] = torch.einsum("hs,hsd->hd", p, v)
+    return out
+
+
+def _case(dtype, D, kvh, g, seed, n=12, ps=16, pages=300):
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    kc = torch.randn(pages, kvh, ps, D, generator=gen).to(dtype)
+    vc = torch.randn(pages, kvh, ps, D, generator=gen).to(dtype)
+    # contexts from one slot to many pages, last pages partly filled; tables scattered over the pool
+    ctx = [1, ps, ps + 1] + [rng.randint(1, 12 * ps) for _ in range(n - 3)]
+    free = list(range(pages))
+    rng.shuffle(free)
+    tables = []
+    for c in ctx:
+        tables.append([free.pop() for _ in range(-(-c // ps))])
+    # the step's queries as the model hands them: a strided view of [1, H, T, D]
+    q = torch.randn(1, kvh * g, n + 5, D, generator=gen).to(dtype)[0].transpose(0, 1)[:n]
+    flat = torch.tensor([p for t in tables for p in t])
+    offsets = torch.tensor([0, *torch.cumsum(torch.tensor([len(t) for t in tables]), 0).tolist()])
+    return q, kc, vc, tables, flat, offsets, torch.tensor(ctx)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D,kvh,g", [(64, 3, 3), (128, 2, 1), (32, 1, 4)])  # 32: the head size read at run time
+@pytest.mark.parametrize("extra", ["plain", "window", "softcap", "sinks"])
+def test_kernel_matches_dense_attention(dtype, D, kvh, g, extra):
+    q, kc, vc, tables, flat, offsets, ctx = _case(dtype, D, kvh, g, seed=D + g)
+    kw = {"plain": {}, "window": {"window": 37}, "softcap": {"softcap": 4.0},
+          "sinks": {"sinks": torch.randn(kvh * g, generator=torch.Generator().manual_seed(1))}}[extra]
+    scale = D**-0.5
+    ref = _dense(q, kc, vc, tables, ctx.tolist(), scale, **kw)
+    got = native.paged_decode(q, kc, vc, flat, offsets, ctx, scale, kw.get("window"), kw.get("softcap"), kw.get("sinks"))
+    assert got.dtype == dtype and got.shape == ref.shape
+    assert (got.double() - ref).abs().max().item() < TOL[dtype]
+
+
+def test_kernel_reads_only_each_sequences_own_slots():
+    """Slots past a sequence's context, and pages it does not hold, are never read: filling
+    them with inf/nan changes nothing."""
+    q, kc, vc, tables, flat, offsets, ctx = _case(torch.float32, 64, 3, 3, seed=5)
+    before = native.paged_decode(q, kc, vc, flat, offsets, ctx, 0.125, None, None, None)
+    held = set(flat.tolist())
+    for p in range(kc.shape[0]):
+        if p not in held:
+            kc[p], vc[p] = float("nan"), float("inf")
+    for t, c in zip(tables, ctx.tolist()):
+        last, used = t[-1], c - (len(t) - 1) * kc.shape[2]
+        kc[last, :, used:], vc[last, :, used:] = float("nan"), float("inf")
+    after = native.paged_decode(q, kc, vc, flat, offsets, ctx, 0.125, None, None, None)
+    assert torch.equal(before, after)
+
+
+def test_engine_decodes_natively_on_the_fast_path_only():
+    model = tiny_model("llama", dtype=torch.float32, seed=3)
+    assert make_engine(model, num_pages=64).runner.native_decode
+    assert not make_engine(model, num_pages=64, fast_path=False).runner.native_decode
+    assert not make_engine(tiny_model("llama", dtype=torch.float64, seed=3), num_pages=64).runner.native_decode
+
+
+def test_turned_off_it_says_why_and_the_torch_path_runs(monkeypatch, caplog):
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_error", None)
+    monkeypatch.setenv("TOKENQ_NATIVE", "0")
+    with caplog.at_level(logging.INFO, logger="tokenq.native"):
+        assert not native.usable(torch.device("cpu"), torch.float32)
+    assert "TOKENQ_NATIVE=0" in native.error()
+    assert "TOKENQ_NATIVE=0" in caplog.text
+    model = tiny_model("llama", dtype=torch.float32, seed=3)
+    engine = make_engine(model, num_pages=64)
+    assert not engine.runner.native_decode
+    from common.protocol import SamplingParams
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0]) == 4

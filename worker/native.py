@@ -1,0 +1,90 @@
+"""The engine's native CPU kernel: paged decode attention (worker/csrc/paged_decode.cpp).
+
+Decode attention is a few tiny products per page and sequence; through torch ops that is
+hundreds of small bmm calls and a segmented softmax a layer, and in bfloat16 (whose small
+bmms have no fast kernel on CPU) it was a third of a SmolLM2 decode step. The kernel reads
+each sequence's pages in place, once, with an online softmax in float32.
+
+It is compiled on first use with the machine's own compiler (``-march=native``; about
+half a minute) and cached by torch's extension builder (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``), keyed by the source and this CPU's instruction sets, so a
+restart loads it at once. Where it cannot be built (no compiler, not on CPU), the engine
+keeps the torch path (worker/attention.py) and says so in one log line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tokenq.native")
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_lock = threading.Lock()
+_module = None
+_error: str | None = None
+
+
+def _cpu_key() -> str:
+    """The CPU's instruction-set flags (the build is -march=native: another CPU needs its own)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load():
+    """The compiled module (None when it cannot be built here; ``error()`` says why)."""
+    global _module, _error
+    with _lock:
+        if _module is None and _error is None:
+            if os.environ.get("TOKENQ_NATIVE", "1") == "0":
+                _error = "turned off (TOKENQ_NATIVE=0)"
+                log.info("native decode attention %s: the torch path runs", _error)
+                return None
+            try:
+                from torch.utils import cpp_extension
+
+                src = SOURCE.read_bytes()
+                key = hashlib.sha1(src + _cpu_key().encode() + torch.__version__.encode()).hexdigest()[:12]
+                _module = cpp_extension.load(
+                    name=f"tokenq_paged_decode_{key}",
+                    sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    verbose=False,
+                )
+            except Exception as e:  # noqa: BLE001 - no compiler, no headers, a build error: the torch path
+                _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+                log.warning("native decode attention unavailable (%s): the torch path runs", _error)
+    return _module
+
+
+def error() -> str | None:
+    return _error
+
+
+def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernel serves decode attention for a pool on ``device`` in ``dtype``."""
+    return device.type == "cpu" and dtype in DTYPES and load() is not None
+
+
+def paged_decode(q, kc, vc, tables, offsets, ctx, scale: float, window: int | None, softcap: float | None,
+                 sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [n, H, D] -> [n, H, D]; see worker/csrc/paged_decode.cpp."""
+    return _module.paged_decode(q, kc, vc, tables, offsets, ctx, float(scale), int(window or 0), float(softcap or 0.0),
+                                sinks if sinks is not None else _EMPTY)
+
+
+_EMPTY = torch.empty(0)

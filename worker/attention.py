@@ -127,6 +127,7 @@ def _paged(module, query, key, value, meta: StepMeta, scaling, window, softcap, 
     # 2. Decodes: page by page over the decode pages (in place, or gathered when that is
     #    less memory), then a softmax across each sequence's pages (a segmented
     #    log-sum-exp). No K/V copy per sequence, no padding to the longest sequence.
+    #    With the native kernel (fast path, CPU): each decode walks its own pages in C++.
     n = meta.n_dec
     if n and meta.dec_tables is not None:
         out[:n] = native.paged_decode(q_all[:n], kc, vc, *meta.dec_tables, scaling, window, softcap, sinks)

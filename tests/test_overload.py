@@ -121,7 +121,12 @@ def check(r, prefix, m, lows, timeouts):
         assert f is not None and f["type"] == "done" and f["finish_reason"] == "timeout", f
         assert f["completion_tokens"] == "0" and 2.0 <= float(f["total_s"]) < 8.0, f
     assert m["w"].proc.poll() is None
-    assert "event=expired_unread" in m["w"].log
+    # Answered unread by the sweep, or by intake when the worker reached them first: the tiny
+    # model with the native decode kernel drains the 300 normals ahead of them in about 3 s,
+    # so which of the two answers them is a race (each is exactly once: the finals above).
+    log = m["w"].log
+    assert all(f"event=expired_unread stream={prefix}:requests:normal" in log or f"id=to{i} reason=timeout" in log
+               for i in range(timeouts)), log[-3000:]
 
 
 def test_overload_short(r, prefix, worker_factory):

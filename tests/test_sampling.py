@@ -51,6 +51,16 @@ def _rows(n: int, **params) -> list[Sequence]:
     return [Sequence(f"s{i}", [1, 2, 3], 3, sp, 1, i, 0.0, seed=i) for i in range(n)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_greedy_takes_the_first_of_equal_maxima(dtype):
+    # as transformers' argmax does (the engine takes max(dim).indices, which is faster)
+    logits = torch.full((3, 49152), -1.0, dtype=dtype)
+    logits[0, [7, 9, 40000]] = 2.5
+    logits[1, [48000, 3]] = 1.0
+    logits[2] = 0.0
+    assert sampler.sample(logits, _rows(3, temperature=0)) == [7, 3, 0] == logits.argmax(-1).tolist()
+
+
 def test_distribution_follows_temperature_top_k_top_p():
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0, -9.0], dtype=torch.float64)
     n = 6000

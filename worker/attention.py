@@ -107,12 +107,13 @@ def paged_attention(module, query, key, value, attention_mask, **kwargs):
     calls = _recording.get()
     if calls is not None:  # the engine's start-up probe
         calls.append((module, query.shape, key.shape, value.shape, dict(kwargs)))
-    return _paged(module, query, key, value, meta, kwargs.get("scaling"), kwargs.get("sliding_window"),
-                  kwargs.get("softcap"), kwargs.get("s_aux"))
+    return paged(module.layer_idx, query, key, value, meta, kwargs.get("scaling"), kwargs.get("sliding_window"),
+                 kwargs.get("softcap"), kwargs.get("s_aux"))
 
 
-def _paged(module, query, key, value, meta: StepMeta, scaling, window, softcap, sinks):
-    layer = module.layer_idx
+def paged(layer: int, query, key, value, meta: StepMeta, scaling, window, softcap, sinks):
+    """Layer ``layer``'s attention for the step: query [1, H, T, D], key/value [1, kvh, T, D]
+    (RoPE applied) -> [1, T, H, D]. Also called by the compiled forward's op (worker/compiled.py)."""
     kc, vc = meta.k[layer], meta.v[layer]  # [pages, kv_heads, page_size, head_dim]
     _, H, T, D = query.shape
     kvh = key.shape[1]

@@ -15,7 +15,7 @@ import time
 import torch
 
 from common.protocol import SamplingParams
-from worker import attention, fallback, fastpath, logprobs, native, prefix_cache, probe, sampler, structured
+from worker import attention, compiled, fallback, fastpath, logprobs, native, prefix_cache, probe, sampler, structured
 from worker.admission import Decision, decide
 from worker.cache import BlockAllocator, KVCache
 from worker.config import EngineConfig
@@ -64,8 +64,10 @@ class Engine:
         model_len = max_exact_len(mcfg)
         self.max_model_len = min(cfg.max_model_len or model_len, model_len, num_pages * cfg.page_size)
         self.scheduler = Scheduler(cfg, self.allocator, self.max_model_len, host_alloc)
-        self.runner = ModelRunner(fastpath.forward_model(self.model, self.device, cfg.fast_path), self.cache,
-                                  native_decode=cfg.fast_path and native.usable(self.device, self.dtype))
+        native_decode = cfg.fast_path and native.usable(self.device, self.dtype)
+        fast = fastpath.forward_model(self.model, self.device, cfg.fast_path)
+        self.runner = ModelRunner(fast, self.cache, native_decode=native_decode,
+                                  compiled=self._compile(fast, shape, native_decode))
         log.info("decode attention: %s", "native kernel (worker/native.py)" if self.runner.native_decode else
                  "torch ops" + (f" ({native.error()})" if native.error() else ""))
         self.vocab_size = mcfg.vocab_size
@@ -81,6 +83,15 @@ class Engine:
             num_pages, cfg.page_size, num_pages * KVCache.bytes_per_page(**shape, dtype=self.dtype) / 2**30,
             self.max_model_len, cfg.admission_policy, cfg.preemption_mode, self.device, self.dtype,
         )
+
+    def _compile(self, fast, shape: dict, native_decode: bool) -> compiled.CompiledForward | None:
+        """The compiled forward, warmed up and checked, or None (logged either way)."""
+        if not self.config.fast_path:
+            fwd, how = None, "the fast path is turned off"
+        else:
+            fwd, how = compiled.get(self.model, self.max_model_len, self.device, fast, shape, native_decode)
+        log.info("compiled forward: %s (%s)", "on" if fwd is not None else "off", how)
+        return fwd
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> set[int]:

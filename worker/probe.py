@@ -98,11 +98,10 @@ def check_calls(model, config, calls: list[Call], num_layers: int, num_kv_heads:
         _refuse(model, f"layer {twice} called the attention {seen[twice]} times in one forward")
 
 
-def _steps(model, cache: KVCache, prompts, record: list | None) -> dict[int, list[torch.Tensor]]:
+def steps(runner: ModelRunner, prompts, record: list | None = None) -> dict[int, list[torch.Tensor]]:
     """Prompts as the engine runs them, in one packed row: a prefill step, then a decode step.
     Returns each prompt's last-token logits of both steps."""
-    runner = ModelRunner(model, cache)
-    ps = cache.page_size
+    ps = runner.cache.page_size
     seqs, first = [], 0
     for i, p in enumerate(prompts):
         s = Sequence(f"probe-{i}", list(p), len(p), SamplingParams(max_tokens=2), 1, i, 0.0, 0)
@@ -145,7 +144,7 @@ def probe(model, config, num_layers: int, num_kv_heads: int, head_dim: int, page
                 for m, q, k, v, kw in raw]
 
     try:
-        packed = _steps(model, cache, prompts, raw)
+        packed = steps(ModelRunner(model, cache), prompts, raw)
     except Exception as e:  # noqa: BLE001 - any failure here is a reason to refuse
         check_calls(model, config, calls(), num_layers, num_kv_heads, head_dim, complete=False)  # a clearer reason first
         _refuse(model, f"a packed forward raised {type(e).__name__}: {e}")
@@ -153,7 +152,7 @@ def probe(model, config, num_layers: int, num_kv_heads: int, head_dim: int, page
     tol = TOLERANCE.get(dtype, HALF_TOLERANCE)
     worst = 0.0
     for i, p in enumerate(prompts):
-        alone = _steps(model, cache, [p], None)[0]
+        alone = steps(ModelRunner(model, cache), [p])[0]
         for step, (a, b) in enumerate(zip(alone, packed[i])):
             err = (a - b).abs().max().item()
             scale = max(1.0, a.abs().max().item())

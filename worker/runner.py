@@ -52,8 +52,10 @@ def _ints(values: list[int]) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, native_decode: bool = False):
+    def __init__(self, model: torch.nn.Module, cache: KVCache, native_decode: bool = False, compiled=None):
         self.model = model
+        # the compiled forward (worker/compiled.py) when there is one; else the model is called
+        self.compiled = compiled
         self.cache = cache
         self.device = cache.k.device
         self.page_size = cache.page_size
@@ -78,13 +80,16 @@ class ModelRunner:
         meta, input_ids, positions, sample_rows = self._prepare(batch)
         extra, spans = self._prompt_rows(batch)
         keep = torch.cat([sample_rows, _ints(extra).to(self.device)]) if extra else sample_rows
-        logits = self.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            use_cache=False,
-            logits_to_keep=keep,
-            tokenq=meta,
-        ).logits[0]
+        if self.compiled is not None:
+            logits = self.compiled(input_ids, positions, keep, meta)
+        else:
+            logits = self.model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=keep,
+                tokenq=meta,
+            ).logits[0]
         n = len(sample_rows)
         prompt = [(s, lo, logits[n + r:n + r + c]) for s, lo, r, c in spans]
         return logits[:n], [s for s in batch if s.sample], prompt

@@ -1,0 +1,133 @@
+"""The compiled forward (worker/compiled.py): one graph for every batch shape, the same tokens
+as the eager path, and a clear fallback where it does not apply.
+
+Greedy agreement over 200 requests per family and step logits within 1e-4 are in
+tests/test_fastpath.py (its fast engines run the compiled forward); here: no recompilation
+after warm-up, whatever the step's shape, and when it is not used.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from engine_helpers import drive, make_engine
+from test_families import ROPE
+from tiny import tiny_model
+
+from common.protocol import SamplingParams
+from worker import compiled
+
+ENGINE = dict(page_size=8, num_pages=1024, max_num_seqs=32, max_num_batched_tokens=96)
+
+
+@pytest.fixture(scope="module")
+def llama32():
+    return tiny_model("llama", dtype=torch.float32, seed=3)
+
+
+def _shapes_workload(seed: int):
+    """Arrivals that make every kind of step: prefills only (a burst arrives), decodes only
+    (nothing new for a while), mixed, a single sequence (one token: the padded row), many,
+    prompts of one token, chunked prompts longer than a step's budget."""
+    rng = random.Random(seed)
+    arrivals: dict[int, list[tuple]] = {}
+    n = 0
+
+    def add(step, count, lo, hi):
+        nonlocal n
+        for _ in range(count):
+            prompt = [rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))]
+            params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0, ignore_eos=True)
+            arrivals.setdefault(step, []).append((f"r{n}", prompt, params))
+            n += 1
+
+    add(0, 1, 1, 1)  # one sequence, one token: prefill of T=1, then decodes of T=1
+    add(30, 20, 1, 40)  # a burst: prefill-only steps, then mixed
+    add(45, 1, 200, 250)  # a prompt longer than the step budget: chunked, alongside decodes
+    for step in range(60, 200, 7):  # a trickle: mixed steps of every size
+        add(step, rng.randint(1, 6), 1, 60)
+    return arrivals
+
+
+def test_no_recompilation_at_any_batch_shape(llama32, caplog):
+    with caplog.at_level(logging.INFO, logger="tokenq.engine"):
+        engine = make_engine(llama32, **ENGINE)
+    assert engine.runner.compiled is not None, caplog.text
+    assert any("compiled forward: on" in r.getMessage() for r in caplog.records)
+    sizes: list[tuple[int, int]] = []  # (decodes, prefill tokens) of each step
+    schedule = engine.scheduler.schedule
+
+    def observed(*a, **kw):
+        out = schedule(*a, **kw)
+        dec = sum(1 for s in out.scheduled if s.num_tokens == 1 and s.start >= s.seq.num_prompt_tokens)
+        sizes.append((dec, sum(s.num_tokens for s in out.scheduled) - dec))
+        return out
+
+    engine.scheduler.schedule = observed
+    before = compiled.compile_count()
+    run = drive(engine, _shapes_workload(seed=1))
+    assert compiled.compile_count() == before, "the compiled forward recompiled after warm-up"
+    # the workload did make every kind of step
+    tokens = {d + p for d, p in sizes}
+    assert 1 in tokens and max(tokens) == ENGINE["max_num_batched_tokens"]
+    assert any(d == 0 and p > 1 for d, p in sizes), "no prefill-only step"
+    assert any(d > 1 and p == 0 for d, p in sizes), "no decode-only step of several sequences"
+    assert any(d and p for d, p in sizes), "no mixed step"
+    assert len(tokens) > 20
+    # and produced what the eager forward does
+    eager = drive(make_engine(llama32, fast_path=False, **ENGINE), _shapes_workload(seed=1))
+    for rid in run.added:
+        got = [t for o in run.outputs[rid] for t in o.new_token_ids]
+        assert got == [t for o in eager.outputs[rid] for t in o.new_token_ids], rid
+
+
+@pytest.mark.parametrize("kind", list(ROPE))
+def test_rope_tables_are_exact_for_every_rope_type(kind):
+    # the graph reads cos/sin from a table built once by the model's rotary module
+    model = tiny_model("llama", dtype=torch.float32, rope_parameters={**ROPE[kind], "rope_theta": 10000.0}, head_dim=16)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 50))] for _ in range(8)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    fast = make_engine(model, page_size=4, num_pages=256)
+    assert fast.runner.compiled is not None
+    assert fast.generate(prompts, params) == make_engine(model, page_size=4, num_pages=256, fast_path=False).generate(prompts, params)
+
+
+def test_engines_on_one_model_share_the_graph(llama32):
+    a = make_engine(llama32, **ENGINE)
+    before = compiled.compile_count()
+    b = make_engine(llama32, **ENGINE)
+    assert b.runner.compiled is a.runner.compiled
+    assert compiled.compile_count() == before
+
+
+def _compiled_log(caplog, model, **cfg) -> str:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tokenq.engine"):
+        engine = make_engine(model, num_pages=64, **cfg)
+    assert engine.runner.compiled is None
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled forward")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_where_it_does_not_apply_the_engine_says_why(caplog, monkeypatch):
+    assert "float64" in _compiled_log(caplog, tiny_model("llama", dtype=torch.float64))
+    assert "turned off" in _compiled_log(caplog, tiny_model("llama", dtype=torch.float32), fast_path=False)
+    monkeypatch.setenv("TOKENQ_COMPILE", "0")
+    assert "TOKENQ_COMPILE=0" in _compiled_log(caplog, tiny_model("llama", dtype=torch.float32))
+
+
+def test_a_graph_that_disagrees_with_eager_is_not_used(caplog, monkeypatch):
+    # a wrong norm inside the graph (epsilon 1e3 times too large): the warm-up check catches it
+    real = compiled._rms_norm
+    monkeypatch.setattr(compiled, "_rms_norm", lambda x, w, eps: real(x, w, eps + 1.0))
+    line = _compiled_log(caplog, tiny_model("llama", dtype=torch.float32, seed=8))
+    assert "logits differ from the eager forward's" in line
+    # the engine still serves, on the eager fast path
+    engine = make_engine(tiny_model("llama", dtype=torch.float32, seed=8), num_pages=64)
+    assert engine.runner.compiled is None
+    assert len(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]) == 3

@@ -1,0 +1,291 @@
+"""The compiled forward: a Llama-family decoder as one Inductor graph, token dimension dynamic.
+
+The eager fast path (worker/fastpath.py) runs each of the model's small elementwise ops
+(RoPE, RMSNorm's casts, SiLU times up, residual adds) as its own ATen call: some 60 a
+layer, 15-35 us each in bfloat16 on a CPU, more time than the layer's GEMMs at decode
+sizes. Here the same computation is written once as plain tensor code over the model's
+weights and compiled whole by Inductor, which fuses those ops into a few loops, packs the
+frozen weights for oneDNN and merges nothing the code does not merge itself (q/k/v and
+gate/up are concatenated here).
+
+One graph serves every step:
+
+- The packed token row ``[T]`` is the only dynamic size. Steps of one token are padded to
+  two (Inductor specialises sizes 0 and 1: a second graph otherwise); the attention op
+  computes the real rows only and the padding row's output is dropped.
+- Attention is an opaque custom op, ``tokenq::paged_attention(q, k, v, layer)``, that
+  reads the step's layout (a :class:`worker.attention.StepMeta`) and the cache from this
+  module's step context, not from its arguments: nothing per step becomes a guard, and
+  the cache, written in place by the op, is never copied by functionalisation.
+- The LM head runs after the graph, on the rows that sample only (their count varies
+  independently of T), as a oneDNN-packed linear.
+
+Exactness against the eager engine (same weights, same StepMeta, the same attention code)
+is tested in tests/test_compiled.py; only the order of floating-point operations inside
+fused loops and GEMMs differs. Families whose layers are not the Llama shape and float64
+run the eager fast path instead (``why_not``), said in one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+
+import torch
+import torch._inductor.config as inductor_config
+import torch.nn.functional as F
+from torch import nn
+
+from worker import attention, fastpath
+from worker.probe import expected_windows
+
+log = logging.getLogger("tokenq.compiled")
+
+COMPILED_DTYPES = (torch.float32, torch.bfloat16)
+MIN_ROWS = 2  # see the module docstring: sizes 0 and 1 would specialise the graph
+
+# The step now running through the compiled graph: (StepMeta, per-layer attention settings).
+# Set by CompiledForward.__call__ around the graph call, read by the attention op.
+_step: tuple | None = None
+
+
+@torch.library.custom_op("tokenq::paged_attention", mutates_args=())
+def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """q [T, H, D], k/v [T, kvh, D] (RoPE applied) -> [T, H * D]; writes k/v into the cache.
+    Rows past the step's real tokens (padding) are not computed and come back zero."""
+    meta, specs = _step
+    n = meta.write_pages.shape[0]
+    scaling, window, softcap = specs[layer]
+    o = attention.paged(layer, q[:n].transpose(0, 1)[None], k[:n].transpose(0, 1)[None], v[:n].transpose(0, 1)[None],
+                        meta, scaling, window, softcap, None)[0]
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    out[:n] = o.reshape(n, -1)
+    if q.shape[0] > n:
+        out[n:] = 0
+    return out
+
+
+@paged_attention_op.register_fake
+def _(q, k, v, layer):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def _param(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t.detach(), requires_grad=False)
+
+
+def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
+    if all(t is None for t in ts):
+        return None
+    return torch.cat([t.detach() for t in ts])
+
+
+class _Layer(nn.Module):
+    """One decoder layer's weights: q/k/v and gate/up concatenated (one GEMM each)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        at, mlp = layer.self_attn, layer.mlp
+        self.q_size = at.q_proj.out_features
+        self.kv_size = at.k_proj.out_features
+        self.head_dim = at.head_dim
+        self.qkv_w = _param(_cat(at.q_proj.weight, at.k_proj.weight, at.v_proj.weight))
+        biases = (at.q_proj.bias, at.k_proj.bias, at.v_proj.bias)
+        self.qkv_b = None if all(b is None for b in biases) else _param(torch.cat(
+            [b.detach() if b is not None else m.weight.new_zeros(m.out_features)
+             for b, m in zip(biases, (at.q_proj, at.k_proj, at.v_proj))]))
+        self.o_w, self.o_b = _param(at.o_proj.weight), _param(at.o_proj.bias)
+        self.gate_up_w = _param(_cat(mlp.gate_proj.weight, mlp.up_proj.weight))
+        self.gate_up_b = None if mlp.gate_proj.bias is None else _param(_cat(mlp.gate_proj.bias, mlp.up_proj.bias))
+        self.down_w, self.down_b = _param(mlp.down_proj.weight), _param(mlp.down_proj.bias)
+        self.ln1, self.ln2 = _param(layer.input_layernorm.weight), _param(layer.post_attention_layernorm.weight)
+        self.eps = layer.input_layernorm.variance_epsilon
+        qn, kn = getattr(at, "q_norm", None), getattr(at, "k_norm", None)
+        self.q_norm = None if qn is None else _param(qn.weight)
+        self.k_norm = None if kn is None else _param(kn.weight)
+        self.norm_eps = None if qn is None else qn.variance_epsilon
+        self.act = mlp.act_fn
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # as transformers' LlamaRMSNorm: normalised in float32, cast back, times the weight
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, heads, D]; cos/sin [T, 1, D] (transformers' rotate_half convention)
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class Decoder(nn.Module):
+    """The decoder up to the final norm: ids [T], positions [T] -> hidden states [T, hidden]."""
+
+    def __init__(self, model: nn.Module, max_len: int):
+        super().__init__()
+        inner = model.model
+        self.embed = _param(inner.embed_tokens.weight)
+        self.layers = nn.ModuleList(_Layer(layer) for layer in inner.layers)
+        self.norm = _param(inner.norm.weight)
+        self.eps = inner.norm.variance_epsilon
+        dtype = self.embed.dtype
+        # cos/sin for every position the engine can reach, computed by the model's own rotary
+        # module: exactly the values its eager forward uses, for every RoPE type the engine
+        # serves (max_len is capped where "dynamic" and "longrope" would start to depend on
+        # the sequence length: worker/models.max_exact_len)
+        with torch.no_grad():
+            pos = torch.arange(max_len, device=self.embed.device)[None]
+            cos, sin = inner.rotary_emb(self.embed[:1].to(dtype), pos)
+        self.register_buffer("cos", cos[0].to(dtype), persistent=False)
+        self.register_buffer("sin", sin[0].to(dtype), persistent=False)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(ids, self.embed)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        residual = None
+        for i, L in enumerate(self.layers):
+            residual = h if residual is None else residual + h
+            x = _rms_norm(residual, L.ln1, L.eps)
+            qkv = F.linear(x, L.qkv_w, L.qkv_b)
+            q, k, v = qkv.split([L.q_size, L.kv_size, L.kv_size], dim=-1)
+            q = q.reshape(q.shape[0], -1, L.head_dim)
+            k = k.reshape(k.shape[0], -1, L.head_dim)
+            v = v.reshape(v.shape[0], -1, L.head_dim)
+            if L.q_norm is not None:
+                q, k = _rms_norm(q, L.q_norm, L.norm_eps), _rms_norm(k, L.k_norm, L.norm_eps)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            a = torch.ops.tokenq.paged_attention(q, k, v, i)
+            h = F.linear(a, L.o_w, L.o_b)
+            residual = residual + h
+            x = _rms_norm(residual, L.ln2, L.eps)
+            gate, up = F.linear(x, L.gate_up_w, L.gate_up_b).chunk(2, dim=-1)
+            h = F.linear(L.act(gate) * up, L.down_w, L.down_b)
+        return _rms_norm(residual + h, self.norm, self.eps)
+
+
+def why_not(model: nn.Module, device: torch.device) -> str | None:
+    """Why the compiled forward does not apply (None: it does)."""
+    if device.type != "cpu":
+        return "the compiled forward is built for CPU here (CUDA: see docs/cuda.md)"
+    reason = fastpath.why_not(model, device)
+    if reason is not None:
+        return reason
+    dtype = next(model.parameters()).dtype
+    if dtype not in COMPILED_DTYPES:
+        return f"{dtype} is not compiled (float32 and bfloat16 are)"
+    inner = getattr(model, "model", None)
+    if getattr(inner, "rotary_emb", None) is None:
+        return "the model has no rotary embedding module"
+    for layer in getattr(inner, "layers", []):
+        at, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if at is None or mlp is None or not all(type(getattr(at, a, None)) is nn.Linear for a in names):
+            return f"layer {type(layer).__name__} is not Llama-shaped"
+        if not all(type(getattr(mlp, a, None)) is nn.Linear for a in ("gate_proj", "up_proj", "down_proj")):
+            return f"MLP {type(mlp).__name__} is not gate/up/down"
+        if type(layer.input_layernorm).__name__ not in fastpath.PLAIN_RMSNORMS:
+            return f"norm {type(layer.input_layernorm).__name__} is not Llama's RMSNorm"
+    if getattr(model.config, "final_logit_softcapping", None):
+        return "final logit soft-capping"
+    return None
+
+
+class CompiledForward:
+    """``forward(ids [T], positions [T], keep [S], meta) -> logits [S, vocab]``, through the
+    compiled decoder and a packed LM head."""
+
+    def __init__(self, model: nn.Module, max_len: int, device: torch.device):
+        config = model.config
+        layers = model.model.layers
+        windows = expected_windows(config, len(layers))
+        self.specs = [(L.self_attn.scaling, windows[i], getattr(config, "attn_logit_softcapping", None))
+                      for i, L in enumerate(layers)]
+        self.decoder = Decoder(model, max_len).eval()
+        head = model.get_output_embeddings()
+        self.head = fastpath.FastLinear(head.weight, head.bias, fastpath.pack_dtype(head.weight.dtype, device))
+        self.graph = torch.compile(self.decoder, fullgraph=True, dynamic=False)
+        self.compile_s: float | None = None
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, meta) -> torch.Tensor:
+        global _step
+        T = ids.shape[0]
+        if T < MIN_ROWS:
+            ids = torch.cat([ids, ids.new_zeros(MIN_ROWS - T)])
+            positions = torch.cat([positions, positions.new_zeros(MIN_ROWS - T)])
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(positions, 0)
+        _step = (meta, self.specs)
+        try:
+            h = self.graph(ids, positions)
+        finally:
+            _step = None
+        return self.head(h.index_select(0, keep))
+
+
+# model -> {max_len: CompiledForward}: engines on the same model share one graph (it holds no
+# per-engine state: the cache and layout come with each step)
+_built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def get(model: nn.Module, max_len: int, device: torch.device, eager: nn.Module, shape: dict,
+        native_decode: bool) -> tuple[CompiledForward | None, str]:
+    """(the compiled forward, warmed up and checked, and how long that took) or (None, why not)."""
+    if os.environ.get("TOKENQ_COMPILE", "1") == "0":
+        return None, "TOKENQ_COMPILE=0"
+    reason = why_not(model, device)
+    if reason is not None:
+        return None, reason
+    known = _built.setdefault(model, {})
+    if max_len in known:
+        return known[max_len], "compiled earlier for this model"
+    dtype = next(model.parameters()).dtype
+    try:
+        fwd = CompiledForward(model, max_len, device)
+        reason = warm_up(fwd, eager, shape, device, dtype, native_decode)
+    except Exception as e:  # noqa: BLE001 - a layout it cannot read, an op Inductor refuses: the eager fast path serves
+        return None, f"it failed to build: {type(e).__name__}: {e}"
+    if reason is not None:
+        return None, reason
+    known[max_len] = fwd
+    return fwd, f"compiled and checked in {fwd.compile_s:.1f} s"
+
+
+def warm_up(fwd: CompiledForward, eager: nn.Module, shape: dict, device, dtype, native_decode: bool) -> str | None:
+    """Compile the graph (a prefill step, a decode step of two sequences and one of a single
+    sequence, on a scratch cache) and check its logits against the eager fast model's on the
+    same steps. Returns why it cannot serve (None: it can); the compile time is in fwd.compile_s."""
+    from worker.cache import KVCache
+    from worker.probe import HALF_TOLERANCE, PROMPTS, TOLERANCE, steps
+    from worker.runner import ModelRunner
+
+    vocab = eager.config.vocab_size
+    prompts = [[t % vocab for t in p] for p in PROMPTS]
+    cache = KVCache(num_pages=8, dtype=dtype, device=device, **shape)
+    t = time.perf_counter()
+    # Freezing (weights as constants: Inductor packs them for oneDNN and fuses activations into
+    # the GEMMs) is read from the global config when the graph compiles, not from options.
+    with inductor_config.patch(freezing=True, emulate_precision_casts=True):
+        got = steps(ModelRunner(None, cache, native_decode, compiled=fwd), prompts)
+        steps(ModelRunner(None, cache, native_decode, compiled=fwd), prompts[:1])  # T = 1 (padded)
+    fwd.compile_s = time.perf_counter() - t
+    want = steps(ModelRunner(eager, cache, native_decode), prompts)
+    tol = TOLERANCE.get(dtype, HALF_TOLERANCE)
+    for i in want:
+        for a, b in zip(got[i], want[i]):
+            err, scale = (a - b).abs().max().item(), max(1.0, b.abs().max().item())
+            if not err <= tol * scale:
+                return f"its logits differ from the eager forward's by {err:.3g} (tolerance {tol * scale:.3g})"
+    return None
+
+
+def compile_count() -> int:
+    """Graphs Dynamo has compiled in this process (a test asserts none is added after warm-up)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+

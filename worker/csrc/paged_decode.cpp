@@ -5,8 +5,10 @@
 // denominator, float32 throughout), so each K/V slot is read once, from the pool in place,
 // and converted to float32 in a small per-page buffer. Work items are split between the
 // threads by the number of slots they read, not by count (contexts differ by 10x or more).
-// Built and loaded by worker/native.py; worker/attention.py's torch path is the reference
-// it is tested against (tests/test_native.py).
+// With AVX-512 (float32 and bf16, head sizes 64 and 128, no soft-cap) the slots are scored
+// 16 at a time on vector registers (attend_avx512); elsewhere a portable loop the compiler
+// vectorises (attend_one). Built and loaded by worker/native.py; worker/attention.py's torch
+// path is the reference both are tested against (tests/test_native.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -15,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -134,6 +137,177 @@ void attend_one(const float* __restrict qf, const T* kp, const T* vp, const int6
   }
 }
 
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// The AVX-512 path: slots are scored 16 at a time. Each slot's dot product is a few FMAs
+// into its own accumulator (bf16 K with AVX512-BF16: dot products of bf16 pairs straight
+// from the pool, no conversion), the 16 accumulators are summed across their lanes
+// together by a shuffle tree (2 shuffles a slot instead of a horizontal sum each), and the
+// softmax and the weighted sum of V run on whole vectors of slots.
+
+// bf16 or float32 row chunk c (16 values) as float32
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// Lane k of the result is the sum of the lanes of v[PERM[k]] (PERM is its own inverse: store
+// slot t's accumulator at v[PERM[t]] and lane t holds slot t's sum).
+constexpr int PERM[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+inline __m512 reduce16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[i], x[i + 2]), _mm512_unpackhi_ps(x[i], x[i + 2]));
+  const __m512d a = _mm512_castps_pd(y[0]), b = _mm512_castps_pd(y[1]);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+// exp_neg on 16 lanes (the same polynomial)
+inline __m512 exp_neg16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(y, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// Scores of slots [0, len) (len <= 16) of one block for query head q: lane t = q . k_t.
+// C = D / 16 chunks a row. qf: the head's query in float32; qb: the same in bf16 pairs.
+template <typename T, int C>
+inline __m512 scores16(const float* qf, const uint16_t* qb, const T* k, int64_t len) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    // 32 bf16 a chunk pair: C / 2 dot-product steps a slot
+    __m512bh qv[C / 2];
+    for (int c = 0; c < C / 2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qb + 32 * c);
+    for (int64_t t = 0; t < len; ++t) {
+      const T* kt = k + t * 16 * C;
+      __m512 a = _mm512_setzero_ps();
+      for (int c = 0; c < C / 2; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kt + 32 * c));
+      acc[PERM[t]] = a;
+    }
+    return reduce16(acc);
+  }
+#endif
+  __m512 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qf + 16 * c);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* kt = k + t * 16 * C;
+    __m512 a = _mm512_mul_ps(qv[0], load16(kt));
+    for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(kt + 16 * c), a);
+    acc[PERM[t]] = a;
+  }
+  return reduce16(acc);
+}
+
+// One (sequence, kv head) as attend_one, for head sizes D = 16 * C, no soft-cap.
+template <typename T, int C>
+void attend_avx512(const float* __restrict qf, const uint16_t* qb, const T* kp, const T* vp, const int64_t* table,
+                   int64_t lo, int64_t hi, int64_t g, int64_t ps, int64_t page_stride, int64_t head_off, float fscale,
+                   const float* sinks, float* __restrict acc, float* __restrict vf, float* __restrict pbuf,
+                   float* __restrict cbuf, float* __restrict m, float* __restrict l) {
+  constexpr int D = 16 * C;
+  for (int64_t j = 0; j < g; ++j) {
+    m[j] = sinks ? sinks[j] : -std::numeric_limits<float>::infinity();
+    l[j] = 0.f;
+  }
+  std::fill(acc, acc + g * D, 0.f);
+  const __m512 vscale = _mm512_set1_ps(fscale);
+  for (int64_t p0 = lo - lo % ps; p0 < hi; p0 += ps) {
+    const int64_t pa = std::max(p0, lo) - p0, pb = std::min(p0 + ps, hi) - p0;  // slots [pa, pb) of the page
+    const int64_t page = table[p0 / ps] * page_stride + head_off;
+    if (p0 + ps < hi) {  // the next page's rows, fetched while this one is computed (pages lie anywhere;
+      // measured: fetching two or three pages ahead is no faster)
+      const int64_t next = table[p0 / ps + 1] * page_stride + head_off;
+      const char* kn = reinterpret_cast<const char*>(kp + next);
+      const char* vn = reinterpret_cast<const char*>(vp + next);
+      for (int64_t x = 0; x < int64_t(ps * D * sizeof(T)); x += 64) {
+        _mm_prefetch(kn + x, _MM_HINT_T0);
+        _mm_prefetch(vn + x, _MM_HINT_T0);
+      }
+    }
+    for (int64_t a = pa; a < pb; a += 16) {
+      const int64_t len = std::min<int64_t>(16, pb - a);
+      const __mmask16 valid = __mmask16((1u << len) - 1);
+      const T* kb = kp + page + a * D;
+      const T* vb = vp + page + a * D;
+      // scores and softmax of the block for each of the g heads: weights in pbuf[j * 16 + t]
+      for (int64_t j = 0; j < g; ++j) {
+        __m512 s = _mm512_mul_ps(scores16<T, C>(qf + j * D, qb + j * D, kb, len), vscale);
+        s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), s);
+        const float mx = std::max(m[j], _mm512_reduce_max_ps(s));
+        const float corr = std::exp(m[j] - mx);  // 0 on the first block (m = -inf) unless a sink set m
+        const __m512 p = _mm512_maskz_mov_ps(valid, exp_neg16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+        l[j] = l[j] * corr + _mm512_reduce_add_ps(p);
+        m[j] = mx;
+        _mm512_storeu_ps(pbuf + j * 16, p);
+        cbuf[j] = corr;
+      }
+      // the weighted sum of V rows: each row converted once, into registers, for all g heads
+      // when their sums fit in registers (g * C <= 24), else head by head
+      if (g * C <= 24) {
+        __m512 o[24];
+        for (int64_t j = 0; j < g; ++j) {
+          const __m512 vc = _mm512_set1_ps(cbuf[j]);
+          for (int c = 0; c < C; ++c) o[j * C + c] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * D + 16 * c), vc);
+        }
+        for (int64_t t = 0; t < len; ++t) {
+          __m512 v[C];
+          for (int c = 0; c < C; ++c) v[c] = load16(vb + t * D + 16 * c);
+          for (int64_t j = 0; j < g; ++j) {
+            const __m512 w = _mm512_set1_ps(pbuf[j * 16 + t]);
+            for (int c = 0; c < C; ++c) o[j * C + c] = _mm512_fmadd_ps(w, v[c], o[j * C + c]);
+          }
+        }
+        for (int64_t j = 0; j < g; ++j)
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * D + 16 * c, o[j * C + c]);
+      } else {
+        const float* vrows;  // the block's V rows in float32, once for the g heads
+        if constexpr (std::is_same_v<T, float>) {
+          vrows = vb;
+        } else {
+          for (int64_t t = 0; t < len; ++t)
+            for (int c = 0; c < C; ++c) _mm512_storeu_ps(vf + t * D + 16 * c, load16(vb + t * D + 16 * c));
+          vrows = vf;
+        }
+        for (int64_t j = 0; j < g; ++j) {
+          __m512 o[C];
+          const __m512 vc = _mm512_set1_ps(cbuf[j]);
+          for (int c = 0; c < C; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * D + 16 * c), vc);
+          for (int64_t t = 0; t < len; ++t) {
+            const __m512 w = _mm512_set1_ps(pbuf[j * 16 + t]);
+            for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vrows + t * D + 16 * c), o[c]);
+          }
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * D + 16 * c, o[c]);
+        }
+      }
+    }
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    const float denom = l[j] + (sinks ? std::exp(sinks[j] - m[j]) : 0.f);
+    const float inv = 1.f / denom;
+    for (int64_t d = 0; d < D; ++d) acc[j * D + d] *= inv;
+  }
+}
+#endif  // __AVX512F__
+
 template <typename T>
 void decode(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const int64_t* tables,
             const int64_t* offsets, const int64_t* ctx, torch::Tensor& out, double scale, int64_t window,
@@ -166,14 +340,33 @@ void decode(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor
   }
   auto one = D == 64 ? attend_one<T, 64> : D == 128 ? attend_one<T, 128> : attend_one<T, 0>;
 
+#if defined(__AVX512F__)
+  // the vector path: float32 / bf16, head sizes 64 and 128, no soft-cap
+  decltype(&attend_avx512<T, 4>) fast = nullptr;
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    if (fcap <= 0) fast = D == 64 ? attend_avx512<T, 4> : D == 128 ? attend_avx512<T, 8> : nullptr;
+  }
+#endif
+
   at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
-    std::vector<float> qf(g * D), acc(g * D), kf(ps * D), vf(ps * D), s(g * ps), m(g), l(g);
+    std::vector<float> qf(g * D), acc(g * D), kf(std::max(ps * D, g)), vf(std::max<int64_t>(ps, 16) * D), s(g * std::max<int64_t>(ps, 16)),
+        m(g), l(g);
+    std::vector<uint16_t> qb(g * D);
     for (int64_t item = bound[pb]; item < bound[pe]; ++item) {
       const int64_t i = item / kvh, h = item % kvh;
       for (int64_t j = 0; j < g; ++j) {
         const T* src = qp + i * qs0 + (h * g + j) * qs1;
         for (int64_t d = 0; d < D; ++d) qf[j * D + d] = float(src[d * qs2]);
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          for (int64_t d = 0; d < D; ++d) qb[j * D + d] = reinterpret_cast<const uint16_t*>(src)[d * qs2];
+        }
       }
+#if defined(__AVX512F__)
+      if (fast) {
+        fast(qf.data(), qb.data(), kp, vp, tables + offsets[i], first[i], ctx[i], g, ps, page_stride, h * head_stride,
+             fscale, sinks ? sinks + h * g : nullptr, acc.data(), vf.data(), s.data(), kf.data(), m.data(), l.data());
+      } else
+#endif
       one(qf.data(), kp, vp, tables + offsets[i], first[i], ctx[i], g, D, ps, page_stride, h * head_stride, fscale,
           fcap, sinks ? sinks + h * g : nullptr, acc.data(), kf.data(), vf.data(), s.data(), m.data(), l.data());
       T* dst = op + (i * H + h * g) * D;

@@ -1,4 +1,5 @@
-"""The fast path (worker/fastpath.py) against the exact eager path it replaces.
+"""The fast path (worker/fastpath.py, worker/compiled.py, worker/native.py) against the exact
+eager path it replaces.
 
 Greedy agreement is measured over 200 requests per family on the same engine settings: a
 request whose tokens differ must differ at a near tie of the eager model (its two best
@@ -75,6 +76,7 @@ def test_greedy_agreement_with_eager(fp32_models, family):
     prompts, params = _workload(seed=FAMILIES.index(family), n=N_REQUESTS)
     fast_engine = make_engine(model, **ENGINE)
     assert fast_engine.runner.model is not model  # the fast path is the default
+    assert fast_engine.runner.compiled is not None  # and with it the compiled forward (worker/compiled.py)
     fast = fast_engine.generate(prompts, params)
     eager = make_engine(model, fast_path=False, **ENGINE).generate(prompts, params)
     ties, far = [], []

@@ -96,6 +96,23 @@ def test_kernel_reads_only_each_sequences_own_slots():
     assert torch.equal(before, after)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_puts_each_token_in_its_slot(dtype):
+    g = torch.Generator().manual_seed(2)
+    kc, vc = (torch.randn(12, 3, 4, 16, generator=g).to(dtype) for _ in range(2))
+    want_k, want_v = kc.clone(), vc.clone()
+    slots = random.Random(1).sample(range(12 * 4), 20)  # distinct slots anywhere in the pool
+    pages, offs = torch.tensor([s // 4 for s in slots]), torch.tensor([s % 4 for s in slots])
+    kv = torch.randn(20, 2, 3, 16, generator=g).to(dtype)  # k and v as views of one tensor: strided
+    k, v = kv[:, 0], kv[:, 1]
+    want_k[pages, :, offs] = k
+    want_v[pages, :, offs] = v
+    native.write_kv(k, v, kc, vc, pages, offs)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    with pytest.raises(RuntimeError, match="out of the pool"):
+        native.write_kv(k[:1], v[:1], kc, vc, torch.tensor([12]), torch.tensor([0]))
+
+
 def test_engine_decodes_natively_on_the_fast_path_only():
     model = tiny_model("llama", dtype=torch.float32, seed=3)
     assert make_engine(model, num_pages=64).runner.native_decode

@@ -120,8 +120,11 @@ def paged(layer: int, query, key, value, meta: StepMeta, scaling, window, softca
     if scaling is None:
         scaling = D**-0.5
     # 1. The step's new K/V into their slots (page, offset).
-    kc[meta.write_pages, :, meta.write_offs] = key[0].transpose(0, 1)
-    vc[meta.write_pages, :, meta.write_offs] = value[0].transpose(0, 1)
+    if meta.dec_tables is not None:  # the native kernel's steps
+        native.write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), kc, vc, meta.write_pages, meta.write_offs)
+    else:
+        kc[meta.write_pages, :, meta.write_offs] = key[0].transpose(0, 1)
+        vc[meta.write_pages, :, meta.write_offs] = value[0].transpose(0, 1)
     out = query.new_empty(T, H, D)
     q_all = query[0].transpose(0, 1)  # [T, H, D]
 

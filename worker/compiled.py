@@ -45,6 +45,7 @@ log = logging.getLogger("tokenq.compiled")
 
 COMPILED_DTYPES = (torch.float32, torch.bfloat16)
 MIN_ROWS = 2  # see the module docstring: sizes 0 and 1 would specialise the graph
+MAX_DECODERS = 128  # compiled decoders one process may hold (see CompiledForward)
 
 # The step now running through the compiled graph: (StepMeta, per-layer attention settings).
 # Set by CompiledForward.__call__ around the graph call, read by the attention op.
@@ -205,9 +206,15 @@ class CompiledForward:
         windows = expected_windows(config, len(layers))
         self.specs = [(L.self_attn.scaling, windows[i], getattr(config, "attn_logit_softcapping", None))
                       for i, L in enumerate(layers)]
+        self.max_len = max_len
         self.decoder = Decoder(model, max_len).eval()
         head = model.get_output_embeddings()
         self.head = fastpath.FastLinear(head.weight, head.bias, fastpath.pack_dtype(head.weight.dtype, device))
+        # Each decoder is its own graph (its weights are frozen into it; Dynamo guards on the
+        # instance), but all share Decoder.forward's code object, whose cache Dynamo caps at
+        # recompile_limit entries (8): more than that many engines on different models in one
+        # process (a test run) would fail to compile.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_DECODERS)
         self.graph = torch.compile(self.decoder, fullgraph=True, dynamic=False)
         self.compile_s: float | None = None
 
@@ -265,11 +272,18 @@ def warm_up(fwd: CompiledForward, eager: nn.Module, shape: dict, device, dtype, 
 
     vocab = eager.config.vocab_size
     prompts = [[t % vocab for t in p] for p in PROMPTS]
-    cache = KVCache(num_pages=8, dtype=dtype, device=device, **shape)
+    pages = sum(-(-(len(p) + 2) // shape["page_size"]) for p in prompts)
+    cache = KVCache(num_pages=pages, dtype=dtype, device=device, **shape)
     t = time.perf_counter()
     # Freezing (weights as constants: Inductor packs them for oneDNN and fuses activations into
     # the GEMMs) is read from the global config when the graph compiles, not from options.
-    with inductor_config.patch(freezing=True, emulate_precision_casts=True):
+    # emulate_precision_casts: a fused loop rounds its intermediates to bf16 where the eager
+    # model does (without it bf16 SmolLM2's logits drifted past the check below).
+    # cpp.dynamic_threads: every fused loop gets a parallel region. Inductor otherwise decides
+    # by the token count of the step it traced (a few tokens here: every loop on one thread,
+    # and a 2048-token prefill's SiLU took 2 ms a layer); tracing a long step instead gave the
+    # same code but, measured, 40% slower prefill and decode steps (not understood).
+    with inductor_config.patch(freezing=True, emulate_precision_casts=True, **{"cpp.dynamic_threads": True}):
         got = steps(ModelRunner(None, cache, native_decode, compiled=fwd), prompts)
         steps(ModelRunner(None, cache, native_decode, compiled=fwd), prompts[:1])  # T = 1 (padded)
     fwd.compile_s = time.perf_counter() - t

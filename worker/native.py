@@ -87,4 +87,9 @@ def paged_decode(q, kc, vc, tables, offsets, ctx, scale: float, window: int | No
                                 sinks if sinks is not None else _EMPTY)
 
 
+def write_kv(k, v, kc, vc, pages, offs) -> None:
+    """k, v [T, kv_heads, D] into kc, vc [pages, kv_heads, page_size, D] at (pages[t], offs[t])."""
+    _module.write_kv(k, v, kc, vc, pages, offs)
+
+
 _EMPTY = torch.empty(0)

@@ -41,7 +41,7 @@ class Settings:
     swap_pages: int = _f(0, "host pool pages for swap preemption (0: same as the device pool)")
     prefix_caching: str = _f("on", "reuse the KV cache of prompt prefixes already computed (full pages, shared across requests)",
                              choices=("on", "off"))
-    fast_path: str = _f("on", "merged, prepacked linear layers and native decode attention (off: the plain eager forward and torch attention; float64 is always eager)", choices=("on", "off"))
+    fast_path: str = _f("on", "the compiled forward (one Inductor graph), merged prepacked linear layers and native decode attention (off: the plain eager forward and torch attention; float64 is always eager)", choices=("on", "off"))
     # The Redis loop.
     claim_idle_s: float = _f(30.0, "claim in-flight entries of a dead worker after this idle time")
     max_attempts: int = _f(3, "deliveries before an entry goes to the dead-letter stream")

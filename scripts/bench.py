@@ -395,6 +395,7 @@ def _start_worker(redis_url, prefix, model_dir, device, dtype, workload, max_num
            "--page-size", str(page_size), "--device", str(device), "--log-level", "WARNING"]
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     log = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would stall the worker
+    t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     r = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + 300
@@ -404,6 +405,8 @@ def _start_worker(redis_url, prefix, model_dir, device, dtype, workload, max_num
             log.seek(0)
             raise RuntimeError(f"worker did not start: {log.read()[-2000:]}")
         time.sleep(0.1)
+    # start-up: loading, the probe, compiling the forward (worker/compiled.py), registering
+    print(f"  {name} worker ({model_dir}) serving {time.monotonic() - t0:.1f} s after its start", flush=True)
 
     def stop():
         proc.terminate()

@@ -15,7 +15,18 @@ import time
 import torch
 
 from common.protocol import SamplingParams
-from worker import attention, compiled, fallback, fastpath, logprobs, native, prefix_cache, probe, sampler, structured
+from worker import (
+    attention,
+    compiled,
+    fallback,
+    fastpath,
+    logprobs,
+    native,
+    prefix_cache,
+    probe,
+    sampler,
+    structured,
+)
 from worker.admission import Decision, decide
 from worker.cache import BlockAllocator, KVCache
 from worker.config import EngineConfig

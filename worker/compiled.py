@@ -60,6 +60,8 @@ def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer:
     scaling, window, softcap = specs[layer]
     o = attention.paged(layer, q[:n].transpose(0, 1)[None], k[:n].transpose(0, 1)[None], v[:n].transpose(0, 1)[None],
                         meta, scaling, window, softcap, None)[0]
+    if q.shape[0] == n:  # no padding row: paged()'s fresh output, viewed (no copy)
+        return o.reshape(n, -1)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     out[:n] = o.reshape(n, -1)
     if q.shape[0] > n:

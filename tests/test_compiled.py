@@ -131,3 +131,29 @@ def test_a_graph_that_disagrees_with_eager_is_not_used(caplog, monkeypatch):
     engine = make_engine(tiny_model("llama", dtype=torch.float32, seed=8), num_pages=64)
     assert engine.runner.compiled is None
     assert len(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]) == 3
+
+
+def test_engines_stepping_in_two_threads_keep_their_own_steps():
+    # the attention op reads its step from a per-thread context: two compiled engines stepping
+    # at once in two threads must each get their own model's tokens
+    import threading
+
+    models = [tiny_model("llama", dtype=torch.float32, seed=s) for s in (21, 22)]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    engines = [make_engine(m, **ENGINE) for m in models]
+    assert all(e.runner.compiled is not None for e in engines)
+    alone = [e.generate(prompts, params) for e in engines]
+    assert alone[0] != alone[1]
+    got: list = [None, None]
+
+    def run(i):
+        got[i] = [engines[i].generate(prompts, params) for _ in range(3)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [[alone[0]] * 3, [alone[1]] * 3]

@@ -31,6 +31,7 @@ run the eager fast path instead (``why_not``), said in one log line.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 
@@ -46,16 +47,17 @@ COMPILED_DTYPES = (torch.float32, torch.bfloat16)
 MIN_ROWS = 2  # see the module docstring: sizes 0 and 1 would specialise the graph
 MAX_DECODERS = 128  # compiled decoders one process may hold (see CompiledForward)
 
-# The step now running through the compiled graph: (StepMeta, per-layer attention settings).
-# Set by CompiledForward.__call__ around the graph call, read by the attention op.
-_step: tuple | None = None
+# The step now running through the compiled graph, per thread (engines may step in threads of
+# their own): .step = (StepMeta, per-layer attention settings), set by CompiledForward.__call__
+# around the graph call and read by the attention op, which runs in the caller's thread.
+_context = threading.local()
 
 
 @torch.library.custom_op("tokenq::paged_attention", mutates_args=())
 def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """q [T, H, D], k/v [T, kvh, D] (RoPE applied) -> [T, H * D]; writes k/v into the cache.
     Rows past the step's real tokens (padding) are not computed and come back zero."""
-    meta, specs = _step
+    meta, specs = _context.step
     n = meta.write_pages.shape[0]
     scaling, window, softcap = specs[layer]
     o = attention.paged(layer, q[:n].transpose(0, 1)[None], k[:n].transpose(0, 1)[None], v[:n].transpose(0, 1)[None],
@@ -220,18 +222,17 @@ class CompiledForward:
         self.compile_s: float | None = None
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, meta) -> torch.Tensor:
-        global _step
         T = ids.shape[0]
         if T < MIN_ROWS:
             ids = torch.cat([ids, ids.new_zeros(MIN_ROWS - T)])
             positions = torch.cat([positions, positions.new_zeros(MIN_ROWS - T)])
         torch._dynamo.mark_dynamic(ids, 0)
         torch._dynamo.mark_dynamic(positions, 0)
-        _step = (meta, self.specs)
+        _context.step = (meta, self.specs)
         try:
             h = self.graph(ids, positions)
         finally:
-            _step = None
+            _context.step = None
         return self.head(h.index_select(0, keep))
 
 

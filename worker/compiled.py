@@ -203,7 +203,7 @@ class CompiledForward:
     """``forward(ids [T], positions [T], keep [S], meta) -> logits [S, vocab]``, through the
     compiled decoder and a packed LM head."""
 
-    def __init__(self, model: nn.Module, max_len: int, device: torch.device):
+    def __init__(self, model: nn.Module, max_len: int, head: nn.Module):
         config = model.config
         layers = model.model.layers
         windows = expected_windows(config, len(layers))
@@ -211,8 +211,7 @@ class CompiledForward:
                       for i, L in enumerate(layers)]
         self.max_len = max_len
         self.decoder = Decoder(model, max_len).eval()
-        head = model.get_output_embeddings()
-        self.head = fastpath.FastLinear(head.weight, head.bias, fastpath.pack_dtype(head.weight.dtype, device))
+        self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
         # Each decoder is its own graph (its weights are frozen into it; Dynamo guards on the
         # instance), but all share Decoder.forward's code object, whose cache Dynamo caps at
         # recompile_limit entries (8): more than that many engines on different models in one
@@ -254,7 +253,7 @@ def get(model: nn.Module, max_len: int, device: torch.device, eager: nn.Module, 
         return known[max_len], "compiled earlier for this model"
     dtype = next(model.parameters()).dtype
     try:
-        fwd = CompiledForward(model, max_len, device)
+        fwd = CompiledForward(model, max_len, eager.get_output_embeddings())
         reason = warm_up(fwd, eager, shape, device, dtype, native_decode)
     except Exception as e:  # noqa: BLE001 - a layout it cannot read, an op Inductor refuses: the eager fast path serves
         return None, f"it failed to build: {type(e).__name__}: {e}"

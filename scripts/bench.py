@@ -39,6 +39,7 @@ matters most.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -55,7 +56,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from worker.tuning import set_openmp_env, tune_process  # noqa: E402
+from worker.tuning import freeze_heap, set_openmp_env, tune_process  # noqa: E402
 
 set_openmp_env()  # the same OpenMP settings as the worker, for every system measured here
 import torch  # noqa: E402
@@ -190,6 +191,7 @@ def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs
     ))
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     eng.generate([[1] * 24, [2] * 40], warm)
+    freeze_heap()  # as the worker does once it is up (worker/tuning.py); undone after the run
 
     # Instrument: time spent scheduling and building the batch (metadata), per step.
     acc = {"schedule": 0.0, "prepare": 0.0}
@@ -263,6 +265,7 @@ def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs
         "prefix_hit_rate": eng.stats.prefix_cache_hit_rate,
     }
     del eng
+    gc.unfreeze()
     return Result.from_stamps(system, config, t0, stamps, extra=extra)
 
 

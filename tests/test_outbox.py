@@ -104,6 +104,37 @@ def test_kept_while_redis_is_down_then_written_in_order(r, prefix, wire):
     assert [e[1][b"seq"] for e in r.xrange(keys.result("o"))] == [b"0", b"1"] and len(box) == 0
 
 
+def test_written_behind_in_order_and_kept_when_the_write_fails(r, prefix, wire):
+    """The service's write in a thread of its own: writes go out one at a time, in order; a
+    write that fails keeps what it did not write in front of what was added meanwhile, and
+    the next flush raises that failure and writes it all."""
+    keys = Keys(prefix)
+    key = keys.result("wb")
+    box = Outbox()
+    for seq in range(3):  # each write waits for the one before
+        box.add(PublishTokens([(key, token_entry(seq, [seq], str(seq)))]))
+        box.write_behind(r, wire)
+    box.wait()
+    assert len(box) == 0 and [e[1][b"seq"] for e in r.xrange(key)] == [b"0", b"1", b"2"]
+
+    down = redis.Redis(port=free_port(), socket_connect_timeout=0.2)
+    box.add(PublishTokens([(key, token_entry(3, [3], "3"))]))
+    box.write_behind(down, Wire(Scripts(down), keys, "me", 100, 60))
+    box.add(Publish(key, token_entry(4, [4], "4")))  # added while the write is out
+    assert len(box) == 2
+    with pytest.raises(redis.ConnectionError):
+        box.flush(r, wire)  # the writer's failure, raised once; nothing written by this call
+    assert [type(op) for op in box.ops] == [PublishTokens, Publish] and r.xlen(key) == 3
+    box.flush(r, wire)
+    assert [e[1][b"seq"] for e in r.xrange(key)] == [b"0", b"1", b"2", b"3", b"4"] and len(box) == 0
+
+    box.add(PublishTokens([(key, token_entry(5, [5], "5"))]))
+    box.write_behind(down, Wire(Scripts(down), keys, "me", 100, 60))
+    assert box.settle() is not None and box.settle() is None  # Redis answers again: re-send, no raise
+    box.drop(key)  # a dropped request's writes leave the outbox, the failed write's included
+    assert len(box) == 0
+
+
 def test_a_flush_is_one_round_trip_and_rides_through_a_restarted_server(prefix):
     """The step's scripts run by EVALSHA alone (no SCRIPT EXISTS before each flush); a server
     that lost them (restarted, or SCRIPT FLUSH) refuses them with NOSCRIPT: the outbox loads

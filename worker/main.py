@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker import models
     from worker.engine import Engine
     from worker.service import Service
-    from worker.tuning import tune_process
+    from worker.tuning import freeze_heap, tune_process
 
     tune_process()
 
@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tokenq-worker: cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {e}",
                   file=sys.stderr)
             return 2
+    freeze_heap()
     return service.run()
 
 

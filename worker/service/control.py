@@ -38,7 +38,12 @@ class Control:
 def read(svc: Service) -> None:
     """Apply every new control entry."""
     ctl = svc.control
+    if not svc.doorbell.take(svc.keys.control):
+        ctl.forget_old()
+        return
     reply = svc.r.xread({svc.keys.control: ctl.last}, count=1000)
+    if sum(len(entries) for _, entries in reply or []) >= 1000:
+        svc.doorbell.ring(svc.keys.control)
     for _, entries in reply or []:
         for entry_id, fields in entries:
             ctl.last = text(entry_id)

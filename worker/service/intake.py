@@ -43,6 +43,7 @@ def pull(svc: Service) -> None:
         reply = svc.r.xreadgroup(svc.keys.group, svc.name, {s: ">" for s in svc.keys.request_streams}, count=1,
                                  block=block_ms)
         take(svc, reply)
+        svc.doorbell.ring(*(text(stream) for stream, _ in reply or []))  # count 1: more may wait there
 
 
 def _wait_cluster(svc: Service, block_ms: int) -> None:
@@ -102,28 +103,37 @@ def _read_level(svc: Service, level: str, n: int) -> int:
     for stream in streams[start:] + streams[:start]:
         if taken >= n:
             break
-        taken += _read(svc, stream, n - taken)
+        if svc.doorbell.take(stream):
+            taken += _read(svc, stream, n - taken)
     return taken
 
 
 def _read(svc: Service, stream: str, count: int) -> int:
+    """Up to ``count`` entries of a stream whose doorbell mark was just taken."""
     if count <= 0:
         return 0
     reply = svc.r.xreadgroup(svc.keys.group, svc.name, {stream: ">"}, count=count)
+    got = sum(len(entries) for _, entries in reply or [])
+    if got >= count:
+        svc.doorbell.ring(stream)  # a full read: more may wait
     take(svc, reply)
-    return sum(len(entries) for _, entries in reply or [])
+    return got
 
 
 def _aging_plan(svc: Service, n: int) -> dict[str, int]:
     """How many of the next ``n`` pulls go to ``normal`` and to ``low``, by virtual arrival
     time (entry time + aging_s per level below normal), oldest first."""
-    streams = [(s, rank) for rank, level in enumerate(LEVELS[NORMAL:]) for s in svc.keys.level_streams(level)]
+    streams = [(s, rank) for rank, level in enumerate(LEVELS[NORMAL:]) for s in svc.keys.level_streams(level)
+               if svc.doorbell.take(s)]
+    if not streams:
+        return {}
     unread = svc.scripts.unread(svc.r, [s for s, _ in streams], group=svc.keys.group, count=n)
     ranked = sorted((entry_time(entry_id) + streams[i][1] * svc.s.aging_s, i) for i, ids in enumerate(unread)
                     for entry_id in ids)
     plan = dict.fromkeys((s for s, _ in streams), 0)
     for _, i in ranked[:n]:
         plan[streams[i][0]] += 1
+    svc.doorbell.ring(*(s for (s, _), ids in zip(streams, unread) if len(ids) > plan[s]))  # left for later
     return plan
 
 

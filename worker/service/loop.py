@@ -11,7 +11,8 @@ One iteration of :meth:`Service.run_once`:
 5. publish every output of the step in one MULTI/EXEC round trip: a token entry per
    request that produced tokens, a final ``done``/``error`` entry, and for finished
    requests the XACK + XDEL of their request entry (so an entry is acknowledged only
-   together with its final result).
+   together with its final result). It is written by a thread of its own, on a client of
+   its own, while the engine runs the next step; the next flush waits for it.
 
 If Redis goes away the engine keeps running: outputs wait in the outbox and are published,
 in order, once Redis answers again. The service knows no tensors; the engine knows no Redis.
@@ -37,6 +38,7 @@ from worker.outputs import RequestOutput
 from worker.service import answers, control, heartbeat, intake, recovery, sweeps
 from worker.service.connection import REDIS_TROUBLE, Connection, ensure_groups
 from worker.service.control import Control
+from worker.service.doorbell import Doorbell
 from worker.service.heartbeat import TokenRate
 from worker.service.inflight import InFlight
 from worker.service.outbox import Outbox, Wire
@@ -59,7 +61,10 @@ class Service:
         self.name = settings.name or f"{socket.gethostname()}-{os.getpid()}"
         self.model_name, self.device = model_name, device
         self.r = connect(settings.redis_url, socket_timeout=max(5.0, settings.heartbeat_s * 2))
+        self.writer_r = connect(settings.redis_url, socket_timeout=max(5.0, settings.heartbeat_s * 2))
         self.scripts = Scripts(self.r)
+        self.doorbell = Doorbell(self.keys.request_streams + [self.keys.control],
+                                 None if self.scripts.cluster else lambda: connect(settings.redis_url, socket_timeout=5.0))
         self.wire = Wire(self.scripts, self.keys, self.name, settings.result_maxlen, settings.result_ttl_s,
                          settings.replica_wait_ms)
         self.conn = Connection()
@@ -100,6 +105,7 @@ class Service:
             self.r.delete(self.keys.worker(self.name))
         except REDIS_TROUBLE:
             pass
+        self.doorbell.stop()
         log.info("event=stopped served=%d", self.counts["served"])
         return 0
 
@@ -120,7 +126,7 @@ class Service:
             answers.record(self, outputs)
             if self.on_step is not None:
                 self.on_step(outputs)
-            self._flush()
+            self._flush(behind=True)
         elif not self.conn.connected:
             time.sleep(self.conn.wait_s())
         elif self.outbox:
@@ -172,6 +178,9 @@ class Service:
             self.control.start_from_recent()
             if not self.conn.connected:
                 recovery.resume_own(self)
+                self.outbox.settle()  # a write that failed before Redis went down is re-sent whole
+                self.doorbell.ring_all()
+                self.doorbell.start()
             self.conn.up(len(self.outbox))
             return True
         except REDIS_TROUBLE as e:  # down, or refusing (OOM, READONLY, MISCONF): wait and retry, never crash
@@ -181,11 +190,15 @@ class Service:
     def _down(self, e: Exception) -> None:
         self.conn.down(e, len(self.outbox))
 
-    def _flush(self) -> None:
+    def _flush(self, behind: bool = False) -> None:
+        """Write the outbox (``behind``: in the writer thread, while the engine steps)."""
         if not self.outbox or not self.conn.connected:
             return
         try:
-            self.outbox.flush(self.r, self.wire)
+            if behind:
+                self.outbox.write_behind(self.writer_r, self.wire)
+            else:
+                self.outbox.flush(self.writer_r, self.wire)
         except REDIS_TROUBLE as e:  # nothing was written: the outbox keeps it all for the next try
             self._down(e)
 

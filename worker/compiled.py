@@ -24,8 +24,8 @@ Exactness against the eager engine (same weights, same StepMeta, the same attent
 is tested in tests/test_fastpath.py (200 requests per family, step logits within 1e-4) and
 tests/test_compiled.py (every batch shape, no recompilation); only the order of floating-point
 operations inside fused loops and GEMMs differs. On CUDA (docs/cuda.md) the same graph is
-built, with Triton kernels and cuBLAS GEMMs; not measured yet. Families whose layers are not the Llama shape and float64
-run the eager fast path instead (``why_not``), said in one log line.
+built, with Triton kernels and cuBLAS GEMMs; not measured yet. Families whose layers are not
+the Llama shape and float64 run the eager fast path instead (``why_not``), said in one log line.
 """
 
 from __future__ import annotations
@@ -66,8 +66,7 @@ def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer:
         return o.reshape(n, -1)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     out[:n] = o.reshape(n, -1)
-    if q.shape[0] > n:
-        out[n:] = 0
+    out[n:] = 0
     return out
 
 
@@ -209,7 +208,6 @@ class CompiledForward:
         windows = expected_windows(config, len(layers))
         self.specs = [(L.self_attn.scaling, windows[i], getattr(config, "attn_logit_softcapping", None))
                       for i, L in enumerate(layers)]
-        self.max_len = max_len
         self.decoder = Decoder(model, max_len).eval()
         self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
         # Each decoder is its own graph (its weights are frozen into it; Dynamo guards on the

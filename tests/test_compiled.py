@@ -100,8 +100,21 @@ def test_engines_on_one_model_share_the_graph(llama32):
     a = make_engine(llama32, **ENGINE)
     before = compiled.compile_count()
     b = make_engine(llama32, **ENGINE)
-    assert b.runner.compiled is a.runner.compiled
+    # a cache of another size (another max_model_len, page size) reuses the graph too: the RoPE
+    # table covers the model's whole length (compiled.TABLE_LEN), not one engine's
+    c = make_engine(llama32, page_size=8, num_pages=20)
+    assert c.max_model_len != a.max_model_len
+    assert b.runner.compiled is a.runner.compiled and c.runner.compiled is a.runner.compiled
     assert compiled.compile_count() == before
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert c.generate(prompts, params) == a.generate(prompts, params)
+
+
+def test_rope_table_length():
+    assert compiled.table_len(40000, 2**20) == 40000  # an engine longer than the table's cap: its own length
+    assert compiled.table_len(256, 2048) == compiled.table_len(1024, 2048) == 2048  # shared by every engine on it
+    assert compiled.table_len(256, 2**31) == compiled.TABLE_LEN
 
 
 def _compiled_log(caplog, model, **cfg) -> str:

@@ -41,11 +41,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker import attention, fastpath
+from worker.models import max_exact_len
 from worker.probe import expected_windows
 
 COMPILED_DTYPES = (torch.float32, torch.bfloat16)
 MIN_ROWS = 2  # see the module docstring: sizes 0 and 1 would specialise the graph
 MAX_DECODERS = 128  # compiled decoders one process may hold (see CompiledForward)
+# The RoPE table covers the model's whole exact length up to this many positions, so that
+# engines on one model with different cache sizes (hence different max_model_len) share one
+# graph instead of compiling their own (the table is a constant of the frozen graph); 32 MB at
+# most, for head size 128 in float32. Past it, the table is as long as the engine needs.
+TABLE_LEN = 32768
 
 # The step now running through the compiled graph, per thread (engines may step in threads of
 # their own): .step = (StepMeta, per-layer attention settings), set by CompiledForward.__call__
@@ -233,19 +239,28 @@ class CompiledForward:
         return self.head(h.index_select(0, keep))
 
 
-# model -> {max_len: CompiledForward}: engines on the same model share one graph (it holds no
-# per-engine state: the cache and layout come with each step)
+# model -> {RoPE table length: CompiledForward}: engines on the same model share one graph (it
+# holds no per-engine state: the cache and layout come with each step)
 _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def table_len(max_len: int, model_len: int) -> int:
+    """Positions the RoPE table covers for an engine of ``max_len`` on a model of exact length
+    ``model_len`` (see TABLE_LEN): the same for every engine on the model up to TABLE_LEN."""
+    return max(max_len, min(model_len, TABLE_LEN))
 
 
 def get(model: nn.Module, max_len: int, device: torch.device, eager: nn.Module, shape: dict,
         native_decode: bool) -> tuple[CompiledForward | None, str]:
-    """(the compiled forward, warmed up and checked, and how long that took) or (None, why not)."""
+    """(the compiled forward, warmed up and checked, and how long that took) or (None, why not).
+    ``max_len`` is the longest sequence the engine serves (positions 0 .. max_len - 1)."""
     if os.environ.get("TOKENQ_COMPILE", "1") == "0":
         return None, "TOKENQ_COMPILE=0"
     reason = why_not(model, device)
     if reason is not None:
         return None, reason
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    max_len = table_len(max_len, max_exact_len(config))
     known = _built.setdefault(model, {})
     if max_len in known:
         return known[max_len], "compiled earlier for this model"

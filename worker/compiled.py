@@ -260,19 +260,19 @@ def get(model: nn.Module, max_len: int, device: torch.device, eager: nn.Module, 
     if reason is not None:
         return None, reason
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    max_len = table_len(max_len, max_exact_len(config))
+    length = table_len(max_len, max_exact_len(config))
     known = _built.setdefault(model, {})
-    if max_len in known:
-        return known[max_len], "compiled earlier for this model"
+    if length in known:
+        return known[length], "compiled earlier for this model"
     dtype = next(model.parameters()).dtype
     try:
-        fwd = CompiledForward(model, max_len, eager.get_output_embeddings())
+        fwd = CompiledForward(model, length, eager.get_output_embeddings())
         reason = warm_up(fwd, eager, shape, device, dtype, native_decode)
     except Exception as e:  # noqa: BLE001 - a layout it cannot read, an op Inductor refuses: the eager fast path serves
         return None, f"it failed to build: {type(e).__name__}: {e}"
     if reason is not None:
         return None, reason
-    known[max_len] = fwd
+    known[length] = fwd
     return fwd, f"compiled and checked in {fwd.compile_s:.1f} s"
 
 

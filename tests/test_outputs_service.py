@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 
 import msgpack
@@ -101,14 +102,20 @@ def test_choices_and_grammar_resume_on_a_peer(r, prefix, worker_factory):
     published: every choice equals an uninterrupted run of the same seeded request."""
     from reliability import WORKER_ENV
 
-    a = worker_factory(prefix, name="leaving", args=["--grace-s", "0.1"], env=WORKER_ENV)
+    a = worker_factory(prefix, name="leaving", args=["--grace-s", "0"], env=WORKER_ENV)
     req = {"prompt": "Once upon", "max_tokens": "400", "n": "2", "seed": "9", "ignore_eos": "true",
            "structured_outputs": json.dumps({"regex": "[a-z]{150}"})}
     r.xadd(f"{prefix}:requests:normal", {"id": "moved", **req})
     deadline = time.monotonic() + 60
     while r.xlen(f"{prefix}:result:moved") < 10:
         assert time.monotonic() < deadline, "first tokens"
-        time.sleep(0.05)
+        time.sleep(0.005)
+    # Paused at once and stopped with no grace: it leaves mid-generation however fast it runs
+    # (with 0.1 s of grace, a fast machine finished the request on this worker).
+    a.proc.send_signal(signal.SIGSTOP)
+    assert b"done" not in [f[b"type"] for _, f in r.xrange(f"{prefix}:result:moved")], "finished before it left"
+    a.proc.send_signal(signal.SIGTERM)
+    a.proc.send_signal(signal.SIGCONT)
     assert a.stop() == 0
     b = worker_factory(prefix, name="peer", args=["--claim-idle-s", "30"], env=WORKER_ENV)
     moved = entries(r, f"{prefix}:result:moved", timeout=120)

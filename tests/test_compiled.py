@@ -146,6 +146,19 @@ def test_a_graph_that_disagrees_with_eager_is_not_used(caplog, monkeypatch):
     assert len(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]) == 3
 
 
+def test_a_bfloat16_graph_is_held_to_the_exact_result(caplog, monkeypatch):
+    # bf16: the graph is checked against a float32 evaluation of the same weights (two bf16
+    # forwards rounding in different places may differ by more than either is off); a right
+    # graph serves, a wrong one is refused with the figures
+    with caplog.at_level(logging.INFO, logger="tokenq.engine"):
+        engine = make_engine(tiny_model("llama", dtype=torch.bfloat16, seed=8), num_pages=64)
+    assert engine.runner.compiled is not None, caplog.text
+    real = compiled._rms_norm
+    monkeypatch.setattr(compiled, "_rms_norm", lambda x, w, eps: real(x, w, eps + 1.0))
+    line = _compiled_log(caplog, tiny_model("llama", dtype=torch.bfloat16, seed=9))
+    assert "from a float32 evaluation of the same weights" in line, line
+
+
 def test_engines_stepping_in_two_threads_keep_their_own_steps():
     # the attention op reads its step from a per-thread context: two compiled engines stepping
     # at once in two threads must each get their own model's tokens

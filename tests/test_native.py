@@ -1,9 +1,9 @@
-"""The native paged decode kernel (worker/native.py, worker/csrc/paged_decode.cpp) against a
-dense float64 reference, and where the engine uses it.
+"""The native paged attention kernels (worker/native.py, worker/csrc/paged_attention.cpp), decode
+and prefill, against a dense float64 reference, and where the engine uses them.
 
-End to end, the kernel is part of the fast path: tests/test_fastpath.py's greedy agreement
-(200 requests per family) and per-step logits (1e-4) compare an engine that decodes through
-it with the eager engine, which decodes through the torch path (worker/attention.py).
+End to end, the kernels are part of the fast path: tests/test_fastpath.py's greedy agreement
+(200 requests per family) and per-step logits (1e-4) compare an engine that attends through
+them with the eager engine, which attends through the torch path (worker/attention.py).
 """
 
 from __future__ import annotations
@@ -94,6 +94,84 @@ def test_kernel_reads_only_each_sequences_own_slots():
         kc[last, :, used:], vc[last, :, used:] = float("nan"), float("inf")
     after = native.paged_decode(q, kc, vc, flat, offsets, ctx, 0.125, None, None, None)
     assert torch.equal(before, after)
+
+
+def _prefill_case(dtype, D, kvh, g, seed, ps=16, pages=400):
+    """Chunks as a step holds them: fresh prompts (start 0), chunks continuing a cached prefix,
+    one-token chunks, lengths that are no multiple of anything; scattered page tables."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    kc = torch.randn(pages, kvh, ps, D, generator=gen).to(dtype)
+    vc = torch.randn(pages, kvh, ps, D, generator=gen).to(dtype)
+    chunks = [(0, 1), (0, 37), (5, 1), (16, 16), (131, 70), (0, 200), (rng.randint(1, 90), rng.randint(1, 90))]
+    free = list(range(pages))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(s + n) // ps))] for s, n in chunks]
+    T = sum(n for _, n in chunks)
+    q = torch.randn(1, kvh * g, T + 3, D, generator=gen).to(dtype)[0].transpose(0, 1)[:T]  # strided, as handed over
+    flat = torch.tensor([p for t in tables for p in t])
+    offsets = torch.tensor([0, *torch.cumsum(torch.tensor([len(t) for t in tables]), 0).tolist()])
+    starts, lens = torch.tensor([s for s, _ in chunks]), torch.tensor([n for _, n in chunks])
+    return q, kc, vc, tables, flat, offsets, starts, lens
+
+
+def _dense_prefill(q, kc, vc, tables, starts, lens, scale, window=None, sinks=None) -> torch.Tensor:
+    """Each chunk's rows against its sequence's slots up to their own positions, in float64."""
+    H, D = q.shape[1], q.shape[2]
+    kvh = kc.shape[1]
+    out, row = [], 0
+    for pages, s, n in zip(tables, starts.tolist(), lens.tolist()):
+        ctx = s + n
+        k = kc[pages].transpose(0, 1).reshape(kvh, -1, D)[:, :ctx].double().repeat_interleave(H // kvh, 0)
+        v = vc[pages].transpose(0, 1).reshape(kvh, -1, D)[:, :ctx].double().repeat_interleave(H // kvh, 0)
+        sc = torch.einsum("thd,hkd->htk", q[row:row + n].double(), k) * scale
+        qp, kp = torch.arange(s, ctx)[:, None], torch.arange(ctx)[None]
+        mask = kp <= qp
+        if window:
+            mask &= kp > qp - window
+        sc = sc.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            sc = torch.cat([sc, sinks.double()[:, None, None].expand(H, n, 1)], -1)
+        p = torch.softmax(sc, -1)[..., :ctx]
+        out.append(torch.einsum("htk,hkd->thd", p, v))
+        row += n
+    return torch.cat(out)
+
+
+prefill = pytest.mark.skipif(not native.prefill_usable(torch.device("cpu"), torch.float32, 64),
+                             reason="the prefill kernel needs AVX-512 (SDPA serves prefills here)")
+
+
+@prefill
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,kvh,g", [(64, 3, 3), (128, 2, 1), (64, 1, 8)])
+@pytest.mark.parametrize("extra", ["plain", "window", "sinks"])
+def test_prefill_kernel_matches_dense_attention(dtype, D, kvh, g, extra):
+    q, kc, vc, tables, flat, offsets, starts, lens = _prefill_case(dtype, D, kvh, g, seed=D + g)
+    kw = {"plain": {}, "window": {"window": 29}, "sinks": {"sinks": torch.randn(kvh * g, generator=torch.Generator().manual_seed(1))}}[extra]
+    scale = D**-0.5
+    ref = _dense_prefill(q, kc, vc, tables, starts, lens, scale, **kw)
+    got = native.paged_prefill(q, kc, vc, flat, offsets, starts, lens, scale, kw.get("window"), kw.get("sinks"))
+    assert got.dtype == dtype and got.shape == ref.shape
+    assert (got.double() - ref).abs().max().item() < TOL[dtype]
+
+
+@prefill
+def test_prefill_kernel_reads_only_each_chunks_own_slots():
+    """Slots past a chunk's last position, and pages its sequence does not hold, are never read."""
+    q, kc, vc, tables, flat, offsets, starts, lens = _prefill_case(torch.float32, 64, 3, 3, seed=6)
+    before = native.paged_prefill(q, kc, vc, flat, offsets, starts, lens, 0.125, None, None)
+    held = set(flat.tolist())
+    for p in range(kc.shape[0]):
+        if p not in held:
+            kc[p], vc[p] = float("nan"), float("inf")
+    for t, c in zip(tables, (starts + lens).tolist()):
+        last, used = t[-1], c - (len(t) - 1) * kc.shape[2]
+        kc[last, :, used:], vc[last, :, used:] = float("nan"), float("inf")
+    after = native.paged_prefill(q, kc, vc, flat, offsets, starts, lens, 0.125, None, None)
+    assert torch.equal(before, after)
+    with pytest.raises(RuntimeError, match="does not cover"):
+        native.paged_prefill(q, kc, vc, flat, offsets, starts, lens + 16, 0.125, None, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -44,14 +44,15 @@ class StepMeta:
 
     With the native kernel (worker/native.py), none of that: ``dec_tables`` holds the
     decodes' block tables, where each starts, and each one's context length, and the kernel
-    walks them.
+    walks them. Likewise ``pre_tables`` for the native prefill kernel: the prefill chunks'
+    block tables, where each starts, each chunk's cached prefix and its length.
     """
 
     __slots__ = ("k", "v", "write_pages", "write_offs", "n_dec", "dec_src", "dec_spans", "dec_acc", "dec_qrow", "dec_pos",
-                 "dec_ctx", "prefills", "_masks", "dec_shared", "dec_tables")
+                 "dec_ctx", "prefills", "_masks", "dec_shared", "dec_tables", "pre_tables")
 
     def __init__(self, k, v, write_pages, write_offs, n_dec, dec_src, dec_spans, dec_acc, dec_pos, dec_ctx, prefills,
-                 dec_shared=(), dec_tables=None):
+                 dec_shared=(), dec_tables=None, pre_tables=None):
         self.k, self.v = k, v  # [layers, pages, kv_heads, page_size, head_dim]
         self.write_pages, self.write_offs = write_pages, write_offs  # [T] each
         self.n_dec = n_dec
@@ -65,6 +66,7 @@ class StepMeta:
         self._masks: dict[tuple, torch.Tensor] = {}
         self.dec_shared = dec_shared  # [shared_pages.SharedGroup]
         self.dec_tables = dec_tables  # None, or (tables, offsets, ctx) for the native kernel
+        self.pre_tables = pre_tables  # None, or (tables, offsets, starts, lens) for the native prefill kernel
 
     def decode_bias(self, window: int | None, kvh: int, dtype: torch.dtype) -> torch.Tensor:
         """[Np * kvh, 1, page_size]: 0 where a decode page's slot is attended, -inf where not."""
@@ -138,7 +140,11 @@ def paged(layer: int, query, key, value, meta: StepMeta, scaling, window, softca
     elif n:
         out[:n] = _decode(q_all[:n], kc, vc, meta, window, scaling, softcap, sinks)
 
-    # 3. Prefill chunks, each against its cached prefix plus itself.
+    # 3. Prefill chunks, each against its cached prefix plus itself: all in one call to the
+    #    native kernel (fast path, AVX-512; it has no soft-cap), else one SDPA call each.
+    if meta.prefills and meta.pre_tables is not None and softcap is None:
+        out[n:] = native.paged_prefill(q_all[n:], kc, vc, *meta.pre_tables, scaling, window, sinks)
+        return out.unsqueeze(0), None
     for a, b, cached, pages in meta.prefills:
         q = query[:, :, a:b]
         if cached == 0:

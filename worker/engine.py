@@ -77,10 +77,14 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.allocator, self.max_model_len, host_alloc)
         native_decode = cfg.fast_path and native.usable(self.device, self.dtype)
         fast = fastpath.forward_model(self.model, self.device, cfg.fast_path)
+        native_prefill = native_decode and native.prefill_usable(self.device, self.dtype, head_dim)
         self.runner = ModelRunner(fast, self.cache, native_decode=native_decode,
-                                  compiled=self._compile(fast, shape, native_decode))
+                                  compiled=self._compile(fast, shape, native_decode), native_prefill=native_prefill)
         log.info("decode attention: %s", "native kernel (worker/native.py)" if self.runner.native_decode else
                  "torch ops" + (f" ({native.error()})" if native.error() else ""))
+        log.info("prefill attention: %s", "native kernel (worker/native.py)" if native_prefill else
+                 "SDPA" + (f" ({native.error()})" if native.error() else
+                           " (the native kernel covers float32/bf16, head sizes 64/128, on AVX-512)" if native_decode else ""))
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = self._eos_ids(model, tokenizer)
         self._seqs: dict[str, list[Sequence]] = {}  # request id -> its choices (n of them)

@@ -52,7 +52,8 @@ def _ints(values: list[int]) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, native_decode: bool = False, compiled=None):
+    def __init__(self, model: torch.nn.Module, cache: KVCache, native_decode: bool = False, compiled=None,
+                 native_prefill: bool = False):
         self.model = model
         # the compiled forward (worker/compiled.py) when there is one; else the model is called
         self.compiled = compiled
@@ -61,6 +62,8 @@ class ModelRunner:
         self.page_size = cache.page_size
         # decode attention through the native kernel (worker/native.py) rather than torch ops
         self.native_decode = native_decode
+        # prefill chunks through the native prefill kernel rather than SDPA
+        self.native_prefill = native_prefill
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], list[tuple[ScheduledSeq, int, torch.Tensor]]]:
@@ -142,12 +145,13 @@ class ModelRunner:
         prefills = []
         a = n_dec
         for s in chunks:
-            pages = _ints(s.seq.block_table).to(dev) if s.start else None
+            pages = _ints(s.seq.block_table).to(dev) if s.start and not self.native_prefill else None
             prefills.append((a, a + s.num_tokens, s.start, pages))
             a += s.num_tokens
+        pre_tables = self._prefill_tables(chunks) if self.native_prefill and chunks else None
         sample_rows = (ends - 1)[torch.tensor([s.sample for s in batch], dtype=torch.bool)]
         meta = StepMeta(self.cache.k, self.cache.v, write_pages.to(dev), write_offs.to(dev), n_dec, *dec[:5], prefills, dec[5],
-                        tables)
+                        tables, pre_tables)
         return meta, _ints(ids).to(dev), positions.to(dev), sample_rows.to(dev)
 
     def _decode_tables(self, decodes: list[ScheduledSeq], ctx: torch.Tensor):
@@ -156,6 +160,15 @@ class ModelRunner:
         tables = [s.seq.block_table for s in decodes]
         offsets = _ints([0, *itertools.accumulate(map(len, tables))])
         return _ints(list(itertools.chain.from_iterable(tables))), offsets, ctx
+
+    @staticmethod
+    def _prefill_tables(chunks: list[ScheduledSeq]):
+        """The native prefill kernel's view of the chunks: the pages each one's slots lie in (up
+        to its last position) one after the other, where each starts, its cached prefix, its length."""
+        tables = [s.seq.block_table for s in chunks]
+        offsets = _ints([0, *itertools.accumulate(map(len, tables))])
+        return (_ints(list(itertools.chain.from_iterable(tables))), offsets, _ints([s.start for s in chunks]),
+                _ints([s.num_tokens for s in chunks]))
 
     def _decode_pages(self, decodes: list[ScheduledSeq], ctx: torch.Tensor):
         """The decode pages of the step (see StepMeta): (src, spans, acc, pos, ctx per page, shared groups).

@@ -1,0 +1,731 @@
+// Paged attention on CPU, reading the KV pool in place: decode (one query token per sequence
+// against its pages), prefill chunks (further below), and the step's K/V writes (write_kv).
+//
+// Decode: for each (sequence, kv head) the g query heads that share that kv head are scored
+// against the sequence's slots page by page, float32 throughout, so each K/V slot is read
+// once, from the pool in place. Work items are split between the threads by the number of
+// slots they read, not by count (contexts differ by 10x or more). With AVX-512 (float32 and
+// bf16, head sizes 64 and 128, no soft-cap) in two passes on vector registers
+// (attend_avx512: all scores, their softmax, then V); elsewhere a portable loop the compiler
+// vectorises, with an online softmax page by page (attend_one). Built and loaded by
+// worker/native.py; worker/attention.py's torch path is the reference all are tested against
+// (tests/test_native.py).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0 (a score minus its running max), to about 1 ulp: 2^(x log2 e) split
+// into 2^n (the exponent bits) times 2^f, f in [-0.5, 0.5], by Cephes' exp2f polynomial.
+// Written so the compiler vectorises it; std::exp is a scalar call and was half the kernel.
+inline float exp_neg(float x) {
+  x = x < -87.f ? -87.f : x;  // keeps 2^n a normal float; exp(-87) is 1e-38, nothing next to the max's 1
+  const float y = x * 1.44269504088896341f;
+  const float n = __builtin_floorf(y + 0.5f);
+  const float f = y - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  union { int32_t i; float f; } scale;
+  scale.i = (int32_t(n) + 127) << 23;
+  return p * scale.f;
+}
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = uint32_t(s[i]) << 16;
+}
+
+inline void to_float(const at::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// One (sequence, kv head): its g query heads (qf, float32) against the slots [lo, hi) of its
+// pages; writes the g output rows (unnormalised sums in acc, then divided). DC is the head size
+// when known at compile time (64, 128: the loops over it unroll and acc stays in registers),
+// else 0 and D is read at run time.
+template <typename T, int DC>
+void attend_one(const float* __restrict qf, const T* kp, const T* vp, const int64_t* table, int64_t lo, int64_t hi,
+                int64_t g, int64_t D_, int64_t ps, int64_t page_stride, int64_t head_off, float fscale, float fcap,
+                const float* sinks, float* __restrict acc, float* __restrict kf, float* __restrict vf,
+                float* __restrict s, float* __restrict m, float* __restrict l) {
+  const int64_t D = DC ? DC : D_;
+  for (int64_t j = 0; j < g; ++j) {
+    m[j] = sinks ? sinks[j] : -std::numeric_limits<float>::infinity();
+    l[j] = 0.f;
+  }
+  std::fill(acc, acc + g * D, 0.f);
+  for (int64_t p0 = lo - lo % ps; p0 < hi; p0 += ps) {
+    const int64_t a = std::max(p0, lo) - p0, b = std::min(p0 + ps, hi) - p0, len = b - a;  // slots [a, b) of the page
+    const int64_t base = table[p0 / ps] * page_stride + head_off + a * D;
+    if (p0 + ps < hi) {  // the next page's rows, fetched while this one is computed (pages lie anywhere)
+      const int64_t next = table[p0 / ps + 1] * page_stride + head_off;
+      const char* kn = reinterpret_cast<const char*>(kp + next);
+      const char* vn = reinterpret_cast<const char*>(vp + next);
+      for (int64_t x = 0; x < int64_t(ps * D * sizeof(T)); x += 64) {
+        __builtin_prefetch(kn + x);
+        __builtin_prefetch(vn + x);
+      }
+    }
+    to_float(kp + base, kf, len * D);
+    to_float(vp + base, vf, len * D);
+    for (int64_t t = 0; t < len; ++t) {  // the slot's key row is read once for the g heads
+      const float* __restrict kt = kf + t * D;
+      for (int64_t j = 0; j < g; ++j) {
+        const float* __restrict qj = qf + j * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qj[d] * kt[d];
+        s[j * ps + t] = dot;
+      }
+    }
+    for (int64_t j = 0; j < g; ++j) {
+      float* __restrict sj = s + j * ps;
+      float mx = m[j];
+      if (fcap > 0) {
+        for (int64_t t = 0; t < len; ++t) sj[t] = std::tanh(sj[t] * fscale / fcap) * fcap;
+      } else {
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) sj[t] *= fscale;
+      }
+      for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sj[t]);
+      const float corr = std::exp(m[j] - mx);  // 0 on the first page (m = -inf) unless a sink set m
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < len; ++t) {
+        sj[t] = exp_neg(sj[t] - mx);
+        sum += sj[t];
+      }
+      l[j] = l[j] * corr + sum;
+      m[j] = mx;
+      float* __restrict aj = acc + j * D;
+      float reg[DC ? DC : 1];  // the row's sums, kept in registers across the page's slots
+      float* __restrict r = DC ? reg : aj;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) r[d] = aj[d] * corr;
+      for (int64_t t = 0; t < len; ++t) {
+        const float w = sj[t];
+        const float* __restrict vt = vf + t * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) r[d] += w * vt[d];
+      }
+      if (DC) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) aj[d] = r[d];
+      }
+    }
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    const float denom = l[j] + (sinks ? std::exp(sinks[j] - m[j]) : 0.f);
+    const float inv = 1.f / denom;
+    for (int64_t d = 0; d < D; ++d) acc[j * D + d] *= inv;
+  }
+}
+
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// The AVX-512 path: slots are scored 16 at a time. Each slot's dot product is a few FMAs
+// into its own accumulator (bf16 K with AVX512-BF16: dot products of bf16 pairs straight
+// from the pool, no conversion), the 16 accumulators are summed across their lanes
+// together by a shuffle tree (2 shuffles a slot instead of a horizontal sum each), and the
+// softmax and the weighted sum of V run on whole vectors of slots.
+
+// bf16 or float32 row chunk c (16 values) as float32
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// Lane k of the result is the sum of the lanes of v[PERM[k]] (PERM is its own inverse: store
+// slot t's accumulator at v[PERM[t]] and lane t holds slot t's sum).
+constexpr int PERM[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+inline __m512 reduce16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[i], x[i + 2]), _mm512_unpackhi_ps(x[i], x[i + 2]));
+  const __m512d a = _mm512_castps_pd(y[0]), b = _mm512_castps_pd(y[1]);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+// exp_neg on 16 lanes (the same polynomial)
+inline __m512 exp_neg16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(y, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// Scores of slots [0, len) (len <= 16) of one block for query head q: lane t = q . k_t.
+// C = D / 16 chunks a row. qf: the head's query in float32; qb: the same in bf16 pairs.
+template <typename T, int C>
+inline __m512 scores16(const float* qf, const uint16_t* qb, const T* k, int64_t len) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    // 32 bf16 a chunk pair: C / 2 dot-product steps a slot
+    __m512bh qv[C / 2];
+    for (int c = 0; c < C / 2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qb + 32 * c);
+    for (int64_t t = 0; t < len; ++t) {
+      const T* kt = k + t * 16 * C;
+      __m512 a = _mm512_setzero_ps();
+      for (int c = 0; c < C / 2; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kt + 32 * c));
+      acc[PERM[t]] = a;
+    }
+    return reduce16(acc);
+  }
+#endif
+  __m512 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qf + 16 * c);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* kt = k + t * 16 * C;
+    __m512 a = _mm512_mul_ps(qv[0], load16(kt));
+    for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(kt + 16 * c), a);
+    acc[PERM[t]] = a;
+  }
+  return reduce16(acc);
+}
+
+// One (sequence, kv head) as attend_one, for head sizes D = 16 * C, no soft-cap: two passes.
+// Pass 1 reads K and writes every slot's scores (g rows of hi - lo floats in pbuf); then the
+// softmax of each row, on vectors; pass 2 reads V and sums its rows weighted. Each pass is a
+// plain stream over the pages with the next page prefetched. Decode attention is bound by
+// reading K/V from memory (a SmolLM2 step at 64 sequences reads 0.8 GB in float32): with
+// the online softmax's per-block horizontal reductions between the loads, the same kernel read
+// scattered pages at 22 GB/s here; two passes, 26 (a plain scattered read tops out near 30).
+template <typename T, int C>
+void attend_avx512(const float* __restrict qf, const uint16_t* qb, const T* kp, const T* vp, const int64_t* table,
+                   int64_t lo, int64_t hi, int64_t g, int64_t ps, int64_t page_stride, int64_t head_off, float fscale,
+                   const float* sinks, float* __restrict acc, float* __restrict vf, float* __restrict pbuf,
+                   float* __restrict cbuf, float* __restrict m, float* __restrict l) {
+  constexpr int D = 16 * C;
+  const int64_t n = hi - lo;
+  const int64_t stride = (n + 15) & ~int64_t(15);  // each head's row of scores in pbuf
+  const __m512 vscale = _mm512_set1_ps(fscale);
+  // pass 1: scores
+  for (int64_t p0 = lo - lo % ps; p0 < hi; p0 += ps) {
+    const int64_t pa = std::max(p0, lo) - p0, pb = std::min(p0 + ps, hi) - p0;
+    const int64_t page = table[p0 / ps] * page_stride + head_off;
+    if (p0 + ps < hi) {
+      const char* kn = reinterpret_cast<const char*>(kp + table[p0 / ps + 1] * page_stride + head_off);
+      for (int64_t x = 0; x < int64_t(ps * D * sizeof(T)); x += 64) _mm_prefetch(kn + x, _MM_HINT_T0);
+    }
+    for (int64_t a = pa; a < pb; a += 16) {
+      const int64_t len = std::min<int64_t>(16, pb - a);
+      const T* kb = kp + page + a * D;
+      const int64_t at = p0 + a - lo;
+      for (int64_t j = 0; j < g; ++j)
+        _mm512_storeu_ps(pbuf + j * stride + at, _mm512_mul_ps(scores16<T, C>(qf + j * D, qb + j * D, kb, len), vscale));
+    }
+  }
+  // softmax of each head's row (lanes past n masked)
+  for (int64_t j = 0; j < g; ++j) {
+    float* r = pbuf + j * stride;
+    __m512 mx = _mm512_set1_ps(sinks ? sinks[j] : -std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < n; t += 16) {
+      const __mmask16 valid = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
+      mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_loadu_ps(r + t));
+    }
+    const float M = _mm512_reduce_max_ps(mx);
+    const __m512 vm = _mm512_set1_ps(M);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+      const __mmask16 valid = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(valid, exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(r + t), vm)));
+      _mm512_storeu_ps(r + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    m[j] = M;
+    l[j] = _mm512_reduce_add_ps(sum);
+  }
+  // pass 2: the weighted sum of V rows, each row converted once for all g heads
+  std::fill(acc, acc + g * D, 0.f);
+  for (int64_t p0 = lo - lo % ps; p0 < hi; p0 += ps) {
+    const int64_t pa = std::max(p0, lo) - p0, pb = std::min(p0 + ps, hi) - p0;
+    const int64_t page = table[p0 / ps] * page_stride + head_off;
+    if (p0 + ps < hi) {
+      const char* vn = reinterpret_cast<const char*>(vp + table[p0 / ps + 1] * page_stride + head_off);
+      for (int64_t x = 0; x < int64_t(ps * D * sizeof(T)); x += 64) _mm_prefetch(vn + x, _MM_HINT_T0);
+    }
+    const T* vb = vp + page + pa * D;
+    const int64_t at = p0 + pa - lo, len = pb - pa;
+    if (g * C <= 24) {
+      __m512 o[24];
+      for (int64_t j = 0; j < g; ++j)
+        for (int c = 0; c < C; ++c) o[j * C + c] = _mm512_loadu_ps(acc + j * D + 16 * c);
+      for (int64_t t = 0; t < len; ++t) {
+        __m512 v[C];
+        for (int c = 0; c < C; ++c) v[c] = load16(vb + t * D + 16 * c);
+        for (int64_t j = 0; j < g; ++j) {
+          const __m512 w = _mm512_set1_ps(pbuf[j * stride + at + t]);
+          for (int c = 0; c < C; ++c) o[j * C + c] = _mm512_fmadd_ps(w, v[c], o[j * C + c]);
+        }
+      }
+      for (int64_t j = 0; j < g; ++j)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * D + 16 * c, o[j * C + c]);
+    } else {
+      for (int64_t j = 0; j < g; ++j) {
+        __m512 o[C];
+        for (int c = 0; c < C; ++c) o[c] = _mm512_loadu_ps(acc + j * D + 16 * c);
+        for (int64_t t = 0; t < len; ++t) {
+          const __m512 w = _mm512_set1_ps(pbuf[j * stride + at + t]);
+          for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(w, load16(vb + t * D + 16 * c), o[c]);
+        }
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * D + 16 * c, o[c]);
+      }
+    }
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    const float denom = l[j] + (sinks ? std::exp(sinks[j] - m[j]) : 0.f);
+    const float inv = 1.f / denom;
+    for (int64_t d = 0; d < D; ++d) acc[j * D + d] *= inv;
+  }
+}
+#endif  // __AVX512F__
+
+template <typename T>
+void decode(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const int64_t* tables,
+            const int64_t* offsets, const int64_t* ctx, torch::Tensor& out, double scale, int64_t window,
+            double softcap, const float* sinks) {
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t kvh = kc.size(1), ps = kc.size(2), g = H / kvh;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const int64_t page_stride = kc.stride(0), head_stride = kc.stride(1);  // the same for vc (checked by the caller)
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float fscale = float(scale), fcap = float(softcap);
+
+  // first attended slot of each sequence (the sliding window), and the slots it reads
+  std::vector<int64_t> first(n), cost(n * kvh + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    first[i] = window > 0 ? std::max<int64_t>(0, ctx[i] - window) : 0;
+    for (int64_t h = 0; h < kvh; ++h) cost[i * kvh + h + 1] = cost[i * kvh + h] + (ctx[i] - first[i]) + 8;
+  }
+  const int64_t items = n * kvh;
+  const int64_t parts = std::min<int64_t>(items, 4 * at::get_num_threads());
+  // part p takes the items whose cumulative cost starts in [p, p + 1) * total / parts
+  std::vector<int64_t> bound(parts + 1, items);
+  bound[0] = 0;
+  for (int64_t p = 1, it = 0; p < parts; ++p) {
+    const int64_t target = cost[items] * p / parts;
+    while (it < items && cost[it] < target) ++it;
+    bound[p] = it;
+  }
+  auto one = D == 64 ? attend_one<T, 64> : D == 128 ? attend_one<T, 128> : attend_one<T, 0>;
+
+#if defined(__AVX512F__)
+  // the vector path: float32 / bf16, head sizes 64 and 128, no soft-cap
+  decltype(&attend_avx512<T, 4>) fast = nullptr;
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    if (fcap <= 0) fast = D == 64 ? attend_avx512<T, 4> : D == 128 ? attend_avx512<T, 8> : nullptr;
+  }
+#endif
+
+  // per thread: the portable path's page of scores, or the vector path's scores of a whole sequence
+  int64_t sbuf = std::max<int64_t>(ps, 16);
+  for (int64_t i = 0; i < n; ++i) sbuf = std::max(sbuf, (ctx[i] - first[i] + 31) & ~int64_t(15));
+  at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
+    std::vector<float> qf(g * D), acc(g * D), kf(std::max(ps * D, g)), vf(std::max<int64_t>(ps, 16) * D), s(g * sbuf),
+        m(g), l(g);
+    std::vector<uint16_t> qb(g * D);
+    for (int64_t item = bound[pb]; item < bound[pe]; ++item) {
+      const int64_t i = item / kvh, h = item % kvh;
+      for (int64_t j = 0; j < g; ++j) {
+        const T* src = qp + i * qs0 + (h * g + j) * qs1;
+        for (int64_t d = 0; d < D; ++d) qf[j * D + d] = float(src[d * qs2]);
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          for (int64_t d = 0; d < D; ++d) qb[j * D + d] = reinterpret_cast<const uint16_t*>(src)[d * qs2];
+        }
+      }
+#if defined(__AVX512F__)
+      if (fast) {
+        fast(qf.data(), qb.data(), kp, vp, tables + offsets[i], first[i], ctx[i], g, ps, page_stride, h * head_stride,
+             fscale, sinks ? sinks + h * g : nullptr, acc.data(), vf.data(), s.data(), kf.data(), m.data(), l.data());
+      } else
+#endif
+      one(qf.data(), kp, vp, tables + offsets[i], first[i], ctx[i], g, D, ps, page_stride, h * head_stride, fscale,
+          fcap, sinks ? sinks + h * g : nullptr, acc.data(), kf.data(), vf.data(), s.data(), m.data(), l.data());
+      T* dst = op + (i * H + h * g) * D;
+      for (int64_t x = 0; x < g * D; ++x) dst[x] = T(acc[x]);
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+// ---------------------------------------------------------------------------- prefill
+
+// Prefill chunks: each chunk's query rows (positions start .. start + len - 1 of its
+// sequence) against the sequence's slots 0 .. its own position, read from the pool in place
+// (the chunk's own keys and values were written by write_kv before). Causal, with the
+// sliding window and sinks; float32 arithmetic for float32 and bf16 pools alike.
+//
+// Work items are (chunk, kv head, block of BQ positions): the g query heads of each position
+// are its rows. Keys are taken BK at a time: their scores for RB rows at once on registers,
+// from each chunk's keys transposed once per call into Kt [D][slots] (so a row's scores for
+// BK keys are broadcast-FMAs over D), then an online softmax per row, then the weighted sum of
+// the block's V rows for PR rows at once. SDPA on the same chunks ran at 80 GFLOP/s here
+// (2 cores); this at about 240.
+constexpr int BQ = 16;  // positions per work item
+constexpr int BK = 64;  // keys per block
+constexpr int RB = 6;   // rows per score tile (RB x BK / 16 accumulators)
+
+inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(at::BFloat16* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = at::BFloat16(src[i]);
+}
+
+template <typename T, int D>
+void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const T* vp, const int64_t* tables,
+             const int64_t* offsets, const int64_t* starts, const int64_t* lens, int64_t C, int64_t kvh, int64_t ps,
+             int64_t page_stride, int64_t head_stride, float scale, int64_t window, const float* sinks, T* out) {
+  constexpr int C4 = D / 16;
+  constexpr int PR = 64 / C4;  // rows per V tile (PR x C4 accumulators)
+  const int64_t g = H / kvh;
+  std::vector<int64_t> row0(C + 1, 0), span(C);  // first row of each chunk; its slots rounded up to BK
+  for (int64_t c = 0; c < C; ++c) {
+    row0[c + 1] = row0[c] + lens[c];
+    span[c] = (starts[c] + lens[c] + BK - 1) / BK * BK;
+  }
+  // 1. Kt [D][span] per (chunk, kv head), float32, zero past the chunk's last slot
+  std::vector<int64_t> ktoff(C * kvh + 1, 0);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t h = 0; h < kvh; ++h) ktoff[c * kvh + h + 1] = ktoff[c * kvh + h] + D * span[c];
+  std::vector<float> kt(ktoff[C * kvh]);
+  at::parallel_for(0, C * kvh, 1, [&](int64_t a, int64_t b) {
+    alignas(64) float tile[16 * D];  // 16 slots' rows, written out column by column
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(D));
+    for (int64_t it = a; it < b; ++it) {
+      const int64_t c = it / kvh, h = it % kvh, ctx = starts[c] + lens[c], n = span[c];
+      const int64_t* table = tables + offsets[c];
+      float* dst = kt.data() + ktoff[it];
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        for (int64_t t = 0; t < 16; ++t) {
+          const int64_t k = t0 + t;
+          if (k < ctx)
+            to_float(kp + table[k / ps] * page_stride + h * head_stride + (k % ps) * D, tile + t * D, D);
+          else
+            std::fill(tile + t * D, tile + (t + 1) * D, 0.f);
+        }
+        for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(dst + d * n + t0, _mm512_i32gather_ps(idx, tile + d, 4));
+      }
+    }
+  });
+  // 2. the work items, split between threads by the keys they read
+  struct Item {
+    int64_t c, h, p0, p1;
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> cost(1, 0);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t h = 0; h < kvh; ++h)
+      for (int64_t i = 0; i < lens[c]; i += BQ) {
+        const int64_t p0 = starts[c] + i, p1 = starts[c] + std::min(lens[c], i + BQ);
+        items.push_back({c, h, p0, p1});
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
+        cost.push_back(cost.back() + (p1 - lo) + BK);
+      }
+  const int64_t n_items = items.size();
+  const int64_t parts = std::min<int64_t>(n_items, 8 * at::get_num_threads());
+  std::vector<int64_t> bound(parts + 1, n_items);
+  bound[0] = 0;
+  for (int64_t p = 1, it = 0; p < parts; ++p) {
+    const int64_t target = cost[n_items] * p / parts;
+    while (it < n_items && cost[it] < target) ++it;
+    bound[p] = it;
+  }
+  const float NEG = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
+    const int64_t rmax = (g * BQ + RB - 1) / RB * RB;
+    std::vector<float> Q(rmax * D, 0.f), S(rmax * BK), P(g * BQ * BK), O(g * BQ * D), M(g * BQ), L(g * BQ), vf(BK * D);
+    for (int64_t ii = bound[pb]; ii < bound[pe]; ++ii) {
+      const Item it = items[ii];
+      const int64_t nq = it.p1 - it.p0, R = g * nq, Rp = (R + RB - 1) / RB * RB;  // row j * nq + i: head j, position p0 + i
+      const int64_t ctx = starts[it.c] + lens[it.c], n = span[it.c];
+      const float* Kt = kt.data() + ktoff[it.c * kvh + it.h];
+      const int64_t* table = tables + offsets[it.c];
+      const int64_t first_row = row0[it.c] + it.p0 - starts[it.c];
+      for (int64_t j = 0; j < g; ++j)
+        for (int64_t i = 0; i < nq; ++i) {
+          float* dst = Q.data() + (j * nq + i) * D;
+          const T* src = q + (first_row + i) * qs0 + (it.h * g + j) * qs1;
+          for (int64_t d = 0; d < D; ++d) dst[d] = float(src[d]) * scale;
+        }
+      std::fill(Q.begin() + R * D, Q.begin() + Rp * D, 0.f);
+      std::fill(O.begin(), O.begin() + R * D, 0.f);
+      for (int64_t r = 0; r < R; ++r) {
+        M[r] = sinks ? sinks[it.h * g + r / nq] : NEG;
+        L[r] = 0.f;
+      }
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, it.p0 - window + 1) : 0;
+      for (int64_t k0 = lo / BK * BK; k0 < it.p1; k0 += BK) {
+        // scores of the block's BK keys for every row, RB rows at a time (rows past R are padding)
+        for (int64_t r0 = 0; r0 < Rp; r0 += RB) {
+          __m512 acc[RB][BK / 16];
+          for (int r = 0; r < RB; ++r)
+            for (int z = 0; z < BK / 16; ++z) acc[r][z] = _mm512_setzero_ps();
+          const float* qb = Q.data() + r0 * D;
+          for (int d = 0; d < D; ++d) {
+            __m512 kv[BK / 16];
+            for (int z = 0; z < BK / 16; ++z) kv[z] = _mm512_loadu_ps(Kt + d * n + k0 + 16 * z);
+            for (int r = 0; r < RB; ++r) {
+              const __m512 qv = _mm512_set1_ps(qb[r * D + d]);
+              for (int z = 0; z < BK / 16; ++z) acc[r][z] = _mm512_fmadd_ps(qv, kv[z], acc[r][z]);
+            }
+          }
+          for (int r = 0; r < RB; ++r)
+            for (int z = 0; z < BK / 16; ++z) _mm512_storeu_ps(S.data() + (r0 + r) * BK + 16 * z, acc[r][z]);
+        }
+        // online softmax of each row over the keys it attends (first <= key <= its position)
+        for (int64_t row = 0; row < R; ++row) {
+          const int64_t pos = it.p0 + row % nq, first = window > 0 ? pos - window + 1 : 0;
+          __mmask16 valid[BK / 16];
+          __m512 mxv = _mm512_set1_ps(NEG);
+          for (int z = 0; z < BK / 16; ++z) {
+            const int64_t b0 = k0 + 16 * z;
+            __mmask16 vm = 0xFFFF;
+            if (b0 + 15 > pos) vm = pos >= b0 ? __mmask16((1u << (pos - b0 + 1)) - 1) : 0;
+            if (b0 < first) vm &= first - b0 >= 16 ? 0 : __mmask16(~((1u << (first - b0)) - 1));
+            valid[z] = vm;
+            mxv = _mm512_mask_max_ps(mxv, vm, mxv, _mm512_loadu_ps(S.data() + row * BK + 16 * z));
+          }
+          const float mx = std::max(M[row], _mm512_reduce_max_ps(mxv));
+          float* pr = P.data() + row * BK;
+          if (mx == NEG) {  // nothing attended yet (a block wholly before the window)
+            std::fill(pr, pr + BK, 0.f);
+            continue;
+          }
+          const float corr = std::exp(M[row] - mx);
+          const __m512 vmx = _mm512_set1_ps(mx);
+          __m512 sum = _mm512_setzero_ps();
+          for (int z = 0; z < BK / 16; ++z) {
+            const __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(S.data() + row * BK + 16 * z), vmx));
+            const __m512 p = _mm512_maskz_mov_ps(valid[z], e);
+            sum = _mm512_add_ps(sum, p);
+            _mm512_storeu_ps(pr + 16 * z, p);
+          }
+          L[row] = L[row] * corr + _mm512_reduce_add_ps(sum);
+          M[row] = mx;
+          if (corr != 1.f) {
+            const __m512 vc = _mm512_set1_ps(corr);
+            float* o = O.data() + row * D;
+            for (int c = 0; c < C4; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), vc));
+          }
+        }
+        // the block's V rows (float32), weighted into each row's sums, PR rows at a time
+        const int64_t tn = std::min<int64_t>(BK, ctx - k0);
+        const float* vrow[BK];
+        for (int64_t t = 0; t < tn; ++t) {
+          const int64_t k = k0 + t;
+          const T* src = vp + table[k / ps] * page_stride + it.h * head_stride + (k % ps) * D;
+          if constexpr (std::is_same_v<T, float>) {
+            vrow[t] = src;
+          } else {
+            to_float(src, vf.data() + t * D, D);
+            vrow[t] = vf.data() + t * D;
+          }
+        }
+        int64_t r0 = 0;
+        for (; r0 + PR <= R; r0 += PR) {
+          __m512 o[PR][C4];
+          for (int r = 0; r < PR; ++r)
+            for (int c = 0; c < C4; ++c) o[r][c] = _mm512_loadu_ps(O.data() + (r0 + r) * D + 16 * c);
+          for (int64_t t = 0; t < tn; ++t) {
+            __m512 v[C4];
+            for (int c = 0; c < C4; ++c) v[c] = _mm512_loadu_ps(vrow[t] + 16 * c);
+            for (int r = 0; r < PR; ++r) {
+              const __m512 w = _mm512_set1_ps(P[(r0 + r) * BK + t]);
+              for (int c = 0; c < C4; ++c) o[r][c] = _mm512_fmadd_ps(w, v[c], o[r][c]);
+            }
+          }
+          for (int r = 0; r < PR; ++r)
+            for (int c = 0; c < C4; ++c) _mm512_storeu_ps(O.data() + (r0 + r) * D + 16 * c, o[r][c]);
+        }
+        for (; r0 < R; ++r0) {
+          __m512 o[C4];
+          for (int c = 0; c < C4; ++c) o[c] = _mm512_loadu_ps(O.data() + r0 * D + 16 * c);
+          for (int64_t t = 0; t < tn; ++t) {
+            const __m512 w = _mm512_set1_ps(P[r0 * BK + t]);
+            for (int c = 0; c < C4; ++c) o[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vrow[t] + 16 * c), o[c]);
+          }
+          for (int c = 0; c < C4; ++c) _mm512_storeu_ps(O.data() + r0 * D + 16 * c, o[c]);
+        }
+      }
+      for (int64_t row = 0; row < R; ++row) {
+        const int64_t j = row / nq, i = row % nq;
+        const float denom = L[row] + (sinks ? std::exp(sinks[it.h * g + j] - M[row]) : 0.f);
+        const float inv = 1.f / denom;
+        float* o = O.data() + row * D;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        store_row(out + ((first_row + i) * H + it.h * g + j) * D, o, D);
+      }
+    }
+  });
+}
+#endif  // __AVX512F__
+
+
+}  // namespace
+
+// q [n, H, D] (any strides); kc, vc [pages, kv_heads, page_size, D] contiguous; tables: the
+// sequences' block tables one after the other, offsets [n + 1] where each starts; ctx [n]
+// the slots each attends (its own new token included, already written). window <= 0: none;
+// softcap <= 0: none; sinks: [H] float32 or an empty tensor. Returns [n, H, D].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
+                           torch::Tensor offsets, torch::Tensor ctx, double scale, int64_t window, double softcap,
+                           torch::Tensor sinks) {
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes(), "kc, vc: contiguous, same shape");
+  TORCH_CHECK(q.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type(), "q, kc, vc: one dtype");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && ctx.scalar_type() == at::kLong,
+              "tables, offsets, ctx: int64");
+  TORCH_CHECK(q.size(1) % kc.size(1) == 0 && q.size(2) == kc.size(3), "q's heads and head size do not fit the pool");
+  auto t = tables.contiguous(), o = offsets.contiguous(), c = ctx.contiguous();
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  torch::Tensor sk;
+  const float* sp = nullptr;
+  if (sinks.numel()) {
+    sk = sinks.to(at::kFloat).contiguous();
+    sp = sk.data_ptr<float>();
+  }
+  const int64_t *tp = t.data_ptr<int64_t>(), *opp = o.data_ptr<int64_t>(), *cp = c.data_ptr<int64_t>();
+  switch (q.scalar_type()) {
+    case at::kFloat: decode<float>(q, kc, vc, tp, opp, cp, out, scale, window, softcap, sp); break;
+    case at::kBFloat16: decode<at::BFloat16>(q, kc, vc, tp, opp, cp, out, scale, window, softcap, sp); break;
+    case at::kHalf: decode<at::Half>(q, kc, vc, tp, opp, cp, out, scale, window, softcap, sp); break;
+    default: TORCH_CHECK(false, "paged_decode: float32, bfloat16 or float16, not ", q.scalar_type());
+  }
+  return out;
+}
+
+// The step's new keys and values into their slots: token t's heads go to (pages[t], offs[t]).
+// k, v [T, kv_heads, D] (any strides); kc, vc [pages, kv_heads, page_size, D] contiguous.
+// (An advanced-indexing assignment did this at 35 us a layer for 64 decodes and 280 us for a
+// 2048-token prefill, its source transposed; here it is one row copy per token and head.)
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor pages,
+              torch::Tensor offs) {
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes(), "kc, vc: contiguous, same shape");
+  TORCH_CHECK(k.scalar_type() == kc.scalar_type() && v.scalar_type() == kc.scalar_type(), "k, v, kc, vc: one dtype");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == kc.size(1) && k.size(2) == kc.size(3), "k, v do not fit the pool");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k, v: head rows contiguous");
+  auto pg = pages.contiguous(), of = offs.contiguous();
+  TORCH_CHECK(pg.scalar_type() == at::kLong && of.scalar_type() == at::kLong && pg.numel() == k.size(0) &&
+              of.numel() == k.size(0), "pages, offs: int64, one per token");
+  const int64_t T = k.size(0), kvh = k.size(1), D = k.size(2), P = kc.size(0), ps = kc.size(2);
+  const int64_t *pp = pg.data_ptr<int64_t>(), *op = of.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < P && op[t] >= 0 && op[t] < ps, "write_kv: slot out of the pool");
+  const int64_t row = D * kc.element_size();
+  const int64_t ks0 = k.stride(0) * k.element_size(), ks1 = k.stride(1) * k.element_size();
+  const int64_t vs0 = v.stride(0) * v.element_size(), vs1 = v.stride(1) * v.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kcp = static_cast<char*>(kc.data_ptr());
+  char* vcp = static_cast<char*>(vc.data_ptr());
+  at::parallel_for(0, T, 256, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t)
+      for (int64_t h = 0; h < kvh; ++h) {
+        const int64_t dst = ((pp[t] * kvh + h) * ps + op[t]) * row;
+        std::memcpy(kcp + dst, kp + t * ks0 + h * ks1, row);
+        std::memcpy(vcp + dst, vp + t * vs0 + h * vs1, row);
+      }
+  });
+}
+
+// Whether paged_prefill serves q of this dtype and head size here (else the torch path does).
+bool prefill_supported(torch::Dtype dtype, int64_t head_size) {
+#if defined(__AVX512F__)
+  return (dtype == at::kFloat || dtype == at::kBFloat16) && (head_size == 64 || head_size == 128);
+#else
+  return false;
+#endif
+}
+
+// q [T, H, D] (the prefill chunks' rows one after the other, head rows contiguous); kc, vc
+// [pages, kv_heads, page_size, D] contiguous, holding every slot of each chunk's sequence up
+// to its last position (the chunk's own written already); tables: the chunks' block tables one
+// after the other, offsets [C + 1] where each starts; starts [C]: the positions before each
+// chunk (its cached prefix); lens [C]. window <= 0: none; sinks: [H] or empty. Returns [T, H, D].
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
+                            torch::Tensor offsets, torch::Tensor starts, torch::Tensor lens, double scale,
+                            int64_t window, torch::Tensor sinks) {
+  TORCH_CHECK(prefill_supported(q.scalar_type(), q.size(2)), "paged_prefill: float32 or bf16, head size 64 or 128, AVX-512");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes(), "kc, vc: contiguous, same shape");
+  TORCH_CHECK(q.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type(), "q, kc, vc: one dtype");
+  TORCH_CHECK(q.size(1) % kc.size(1) == 0 && q.size(2) == kc.size(3) && q.stride(2) == 1, "q does not fit the pool");
+  auto t = tables.contiguous(), o = offsets.contiguous(), st = starts.contiguous(), ln = lens.contiguous();
+  TORCH_CHECK(t.scalar_type() == at::kLong && o.scalar_type() == at::kLong && st.scalar_type() == at::kLong &&
+              ln.scalar_type() == at::kLong && o.numel() == st.numel() + 1 && ln.numel() == st.numel(),
+              "tables, offsets, starts, lens: int64, one chunk each");
+  const int64_t C = st.numel(), ps = kc.size(2), P = kc.size(0);
+  const int64_t *tp = t.data_ptr<int64_t>(), *op = o.data_ptr<int64_t>(), *sp = st.data_ptr<int64_t>(), *lp = ln.data_ptr<int64_t>();
+  int64_t rows = 0;
+  for (int64_t c = 0; c < C; ++c) {
+    TORCH_CHECK(sp[c] >= 0 && lp[c] >= 1 && op[c + 1] - op[c] >= (sp[c] + lp[c] + ps - 1) / ps && op[c + 1] <= t.numel(),
+                "paged_prefill: a chunk's table does not cover its slots");
+    for (int64_t i = op[c]; i < op[c + 1]; ++i) TORCH_CHECK(tp[i] >= 0 && tp[i] < P, "paged_prefill: page out of the pool");
+    rows += lp[c];
+  }
+  TORCH_CHECK(rows == q.size(0), "paged_prefill: q's rows are not the chunks' tokens");
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  torch::Tensor sk;
+  const float* skp = nullptr;
+  if (sinks.numel()) {
+    sk = sinks.to(at::kFloat).contiguous();
+    skp = sk.data_ptr<float>();
+  }
+#if defined(__AVX512F__)
+  const int64_t H = q.size(1), D = q.size(2), kvh = kc.size(1);
+  const float fs = float(scale);
+  if (q.scalar_type() == at::kFloat) {
+    auto f = D == 64 ? prefill<float, 64> : prefill<float, 128>;
+    f(q.data_ptr<float>(), q.stride(0), q.stride(1), H, kc.data_ptr<float>(), vc.data_ptr<float>(), tp, op, sp, lp, C,
+      kvh, ps, kc.stride(0), kc.stride(1), fs, window, skp, out.data_ptr<float>());
+  } else {
+    auto f = D == 64 ? prefill<at::BFloat16, 64> : prefill<at::BFloat16, 128>;
+    f(q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), H, kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>(),
+      tp, op, sp, lp, C, kvh, ps, kc.stride(0), kc.stride(1), fs, window, skp, out.data_ptr<at::BFloat16>());
+  }
+#endif
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("write_kv", &write_kv, "the step's keys and values into their slots (CPU)");
+  m.def("paged_prefill", &paged_prefill, "paged prefill attention (CPU, AVX-512)");
+  m.def("prefill_supported", &prefill_supported, "whether paged_prefill serves this dtype and head size here");
+}

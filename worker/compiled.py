@@ -41,7 +41,7 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import nn
 
-from worker import attention, fastpath
+from worker import attention, fastpath, native
 from worker.models import max_exact_len
 from worker.probe import expected_windows
 
@@ -136,8 +136,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class Decoder(nn.Module):
     """The decoder up to the final norm: ids [T], positions [T] -> hidden states [T, hidden]."""
 
-    def __init__(self, model: nn.Module, max_len: int):
+    def __init__(self, model: nn.Module, max_len: int, attend):
         super().__init__()
+        self.attend = attend  # the attention op: tokenq_native::attend or tokenq::paged_attention
         inner = model.model
         self.embed = _param(inner.embed_tokens.weight)
         self.layers = nn.ModuleList(_Layer(layer) for layer in inner.layers)
@@ -169,7 +170,7 @@ class Decoder(nn.Module):
             if L.q_norm is not None:
                 q, k = _rms_norm(q, L.q_norm, L.norm_eps), _rms_norm(k, L.k_norm, L.norm_eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            a = torch.ops.tokenq.paged_attention(q, k, v, i)
+            a = self.attend(q, k, v, i)
             h = F.linear(a, L.o_w, L.o_b)
             residual = residual + h
             x = _rms_norm(residual, L.ln2, L.eps)
@@ -209,13 +210,20 @@ class CompiledForward:
     """``forward(ids [T], positions [T], keep [S], meta) -> logits [S, vocab]``, through the
     compiled decoder and a packed LM head."""
 
-    def __init__(self, model: nn.Module, max_len: int, head: nn.Module):
+    def __init__(self, model: nn.Module, max_len: int, head: nn.Module, native_attention: bool):
         config = model.config
         layers = model.model.layers
         windows = expected_windows(config, len(layers))
         self.specs = [(L.self_attn.scaling, windows[i], getattr(config, "attn_logit_softcapping", None))
                       for i, L in enumerate(layers)]
-        self.decoder = Decoder(model, max_len).eval()
+        # Attention through the native kernels' C++ op (worker/native.py: the step's layout set
+        # for the thread once a step, no Python per layer) where they serve every step, decodes
+        # and prefills; else the Python op above.
+        self.native = native_attention
+        self.scales = [float(sc) for sc, _, _ in self.specs]
+        self.windows = [int(w or 0) for _, w, _ in self.specs]
+        attend = torch.ops.tokenq_native.attend if native_attention else torch.ops.tokenq.paged_attention
+        self.decoder = Decoder(model, max_len, attend).eval()
         self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
         # Each decoder is its own graph (its weights are frozen into it; Dynamo guards on the
         # instance), but all share Decoder.forward's code object, whose cache Dynamo caps at
@@ -232,11 +240,17 @@ class CompiledForward:
             positions = torch.cat([positions, positions.new_zeros(MIN_ROWS - T)])
         torch._dynamo.mark_dynamic(ids, 0)
         torch._dynamo.mark_dynamic(positions, 0)
-        _context.step = (meta, self.specs)
+        if self.native:
+            native.set_step(meta, self.scales, self.windows)
+        else:
+            _context.step = (meta, self.specs)
         try:
             h = self.graph(ids, positions)
         finally:
-            _context.step = None
+            if self.native:
+                native.clear_step()
+            else:
+                _context.step = None
         return self.head(h.index_select(0, keep))
 
 
@@ -252,9 +266,10 @@ def table_len(max_len: int, model_len: int) -> int:
 
 
 def get(model: nn.Module, max_len: int, device: torch.device, eager: nn.Module, shape: dict,
-        native_decode: bool) -> tuple[CompiledForward | None, str]:
+        native_decode: bool, native_prefill: bool) -> tuple[CompiledForward | None, str]:
     """(the compiled forward, warmed up and checked, and how long that took) or (None, why not).
-    ``max_len`` is the longest sequence the engine serves (positions 0 .. max_len - 1)."""
+    ``max_len`` is the longest sequence the engine serves (positions 0 .. max_len - 1);
+    ``native_*``: whether the engine's runner attends through the native kernels."""
     if os.environ.get("TOKENQ_COMPILE", "1") == "0":
         return None, "TOKENQ_COMPILE=0"
     reason = why_not(model, device)
@@ -262,23 +277,24 @@ def get(model: nn.Module, max_len: int, device: torch.device, eager: nn.Module, 
         return None, reason
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     length = table_len(max_len, max_exact_len(config))
+    kernels = (native_decode, native_prefill)
     known = _built.setdefault(model, {})
-    if length in known:
-        return known[length], "compiled earlier for this model"
+    if (length, kernels) in known:
+        return known[length, kernels], "compiled earlier for this model"
     dtype = next(model.parameters()).dtype
     try:
-        fwd = CompiledForward(model, length, eager.get_output_embeddings())
-        reason = warm_up(fwd, model, eager, shape, device, dtype, native_decode)
+        fwd = CompiledForward(model, length, eager.get_output_embeddings(), native_decode and native_prefill)
+        reason = warm_up(fwd, model, eager, shape, device, dtype, kernels)
     except Exception as e:  # noqa: BLE001 - a layout it cannot read, an op Inductor refuses: the eager fast path serves
         return None, f"it failed to build: {type(e).__name__}: {e}"
     if reason is not None:
         return None, reason
-    known[length] = fwd
+    known[length, kernels] = fwd
     return fwd, f"compiled and checked in {fwd.compile_s:.1f} s"
 
 
 def warm_up(fwd: CompiledForward, model: nn.Module, eager: nn.Module, shape: dict, device, dtype,
-            native_decode: bool) -> str | None:
+            kernels: tuple[bool, bool]) -> str | None:
     """Compile the graph (a prefill step, a decode step of two sequences and one of a single
     sequence, on a scratch cache) and check its logits on the same steps. Returns why it
     cannot serve (None: it can); the compile time is in fwd.compile_s.
@@ -307,10 +323,10 @@ def warm_up(fwd: CompiledForward, model: nn.Module, eager: nn.Module, shape: dic
     # and a 2048-token prefill's SiLU took 2 ms a layer); tracing a long step instead gave the
     # same code but, measured, 40% slower prefill and decode steps (not understood).
     with inductor_config.patch(freezing=True, emulate_precision_casts=True, **{"cpp.dynamic_threads": True}):
-        got = steps(ModelRunner(None, cache, native_decode, compiled=fwd), prompts)
-        steps(ModelRunner(None, cache, native_decode, compiled=fwd), prompts[:1])  # T = 1 (padded)
+        got = steps(ModelRunner(None, cache, *kernels, compiled=fwd), prompts)
+        steps(ModelRunner(None, cache, *kernels, compiled=fwd), prompts[:1])  # T = 1 (padded)
     fwd.compile_s = time.perf_counter() - t
-    want = steps(ModelRunner(eager, cache, native_decode), prompts)
+    want = steps(ModelRunner(eager, cache, *kernels), prompts)
     if dtype == torch.float32:
         tol = TOLERANCE[dtype]
         for i in want:
@@ -320,7 +336,7 @@ def warm_up(fwd: CompiledForward, model: nn.Module, eager: nn.Module, shape: dic
                     return f"its logits differ from the eager forward's by {err:.3g} (tolerance {tol * scale:.3g})"
         return None
     cache32 = KVCache(num_pages=pages, dtype=torch.float32, device=device, **shape)
-    exact = steps(ModelRunner(None, cache32, native_decode, compiled=_Reference(model)), prompts)
+    exact = steps(ModelRunner(None, cache32, *kernels, compiled=_Reference(model)), prompts)
     scale = max(1.0, max(b.abs().max().item() for i in exact for b in exact[i]))
     err_graph = max((a - b).abs().max().item() for i in exact for a, b in zip(got[i], exact[i]))
     err_eager = max((a - b).abs().max().item() for i in exact for a, b in zip(want[i], exact[i]))

@@ -78,8 +78,8 @@ class Engine:
         native_decode = cfg.fast_path and native.usable(self.device, self.dtype)
         fast = fastpath.forward_model(self.model, self.device, cfg.fast_path)
         native_prefill = native_decode and native.prefill_usable(self.device, self.dtype, head_dim)
-        self.runner = ModelRunner(fast, self.cache, native_decode=native_decode,
-                                  compiled=self._compile(fast, shape, native_decode), native_prefill=native_prefill)
+        self.runner = ModelRunner(fast, self.cache, native_decode, native_prefill,
+                                  compiled=self._compile(fast, shape, native_decode, native_prefill))
         log.info("decode attention: %s", "native kernel (worker/native.py)" if self.runner.native_decode else
                  "torch ops" + (f" ({native.error()})" if native.error() else ""))
         log.info("prefill attention: %s", "native kernel (worker/native.py)" if native_prefill else
@@ -99,12 +99,12 @@ class Engine:
             self.max_model_len, cfg.admission_policy, cfg.preemption_mode, self.device, self.dtype,
         )
 
-    def _compile(self, fast, shape: dict, native_decode: bool) -> compiled.CompiledForward | None:
+    def _compile(self, fast, shape: dict, native_decode: bool, native_prefill: bool) -> compiled.CompiledForward | None:
         """The compiled forward, warmed up and checked, or None (logged either way)."""
         if not self.config.fast_path:
             fwd, how = None, "the fast path is turned off"
         else:
-            fwd, how = compiled.get(self.model, self.max_model_len, self.device, fast, shape, native_decode)
+            fwd, how = compiled.get(self.model, self.max_model_len, self.device, fast, shape, native_decode, native_prefill)
         log.info("compiled forward: %s (%s)", "on" if fwd is not None else "off", how)
         return fwd
 

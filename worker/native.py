@@ -105,9 +105,22 @@ def paged_prefill(q, kc, vc, tables, offsets, starts, lens, scale: float, window
                                  sinks if sinks is not None else _EMPTY)
 
 
+def set_step(meta, scales: list[float], windows: list[int]) -> None:
+    """The step (a worker.attention.StepMeta with the native tables) that the compiled graph's
+    ``tokenq_native::attend`` calls in this thread serve, with each layer's scale and window."""
+    dec = meta.dec_tables if meta.dec_tables is not None else (_EMPTY_LONG,) * 3
+    pre = meta.pre_tables if meta.pre_tables is not None else (_EMPTY_LONG,) * 4
+    _module.set_step(meta.k, meta.v, meta.write_pages, meta.write_offs, meta.n_dec, *dec, *pre, scales, windows)
+
+
+def clear_step() -> None:
+    _module.clear_step()
+
+
 def write_kv(k, v, kc, vc, pages, offs) -> None:
     """k, v [T, kv_heads, D] into kc, vc [pages, kv_heads, page_size, D] at (pages[t], offs[t])."""
     _module.write_kv(k, v, kc, vc, pages, offs)
 
 
 _EMPTY = torch.empty(0)
+_EMPTY_LONG = torch.empty(0, dtype=torch.long)

@@ -52,8 +52,8 @@ def _ints(values: list[int]) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, native_decode: bool = False, compiled=None,
-                 native_prefill: bool = False):
+    def __init__(self, model: torch.nn.Module, cache: KVCache, native_decode: bool = False,
+                 native_prefill: bool = False, compiled=None):
         self.model = model
         # the compiled forward (worker/compiled.py) when there is one; else the model is called
         self.compiled = compiled

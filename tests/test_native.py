@@ -67,7 +67,7 @@ def _case(dtype, D, kvh, g, seed, n=12, ps=16, pages=300):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("D,kvh,g", [(64, 3, 3), (128, 2, 1), (32, 1, 4)])  # 32: the head size read at run time
+@pytest.mark.parametrize("D,kvh,g", [(64, 3, 3), (128, 2, 1), (32, 1, 4), (256, 1, 2), (48, 2, 2)])  # 48: read at run time
 @pytest.mark.parametrize("extra", ["plain", "window", "softcap", "sinks"])
 def test_kernel_matches_dense_attention(dtype, D, kvh, g, extra):
     q, kc, vc, tables, flat, offsets, ctx = _case(dtype, D, kvh, g, seed=D + g)
@@ -144,7 +144,7 @@ prefill = pytest.mark.skipif(not native.prefill_usable(torch.device("cpu"), torc
 
 @prefill
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("D,kvh,g", [(64, 3, 3), (128, 2, 1), (64, 1, 8)])
+@pytest.mark.parametrize("D,kvh,g", [(64, 3, 3), (128, 2, 1), (64, 1, 8), (32, 4, 2), (256, 1, 2)])
 @pytest.mark.parametrize("extra", ["plain", "window", "sinks"])
 def test_prefill_kernel_matches_dense_attention(dtype, D, kvh, g, extra):
     q, kc, vc, tables, flat, offsets, starts, lens = _prefill_case(dtype, D, kvh, g, seed=D + g)

@@ -8,7 +8,7 @@ reads each sequence's pages in place, once, with an online softmax in float32.
 Prefill chunks went through SDPA, one call per chunk and layer (at about 80 GFLOP/s on two
 cores, a fifth of a 2048-token SmolLM2 step), with a chunk that continues a cached prefix
 first gathering its pages into a copy. The prefill kernel (AVX-512, float32 and bf16, head
-sizes 64 and 128) takes every chunk of the step in one call, reads keys and values from the
+sizes 32 to 256) takes every chunk of the step in one call, reads keys and values from the
 pool in place and runs at about 240 GFLOP/s; elsewhere SDPA stays.
 
 It is compiled on first use with the machine's own compiler (``-march=native``; about

@@ -5,7 +5,7 @@
 // against the sequence's slots page by page, float32 throughout, so each K/V slot is read
 // once, from the pool in place. Work items are split between the threads by the number of
 // slots they read, not by count (contexts differ by 10x or more). With AVX-512 (float32 and
-// bf16, head sizes 64 and 128, no soft-cap) in two passes on vector registers
+// bf16, head sizes 32, 64, 128 and 256, no soft-cap) in two passes on vector registers
 // (attend_avx512: all scores, their softmax, then V); elsewhere a portable loop the compiler
 // vectorises, with an online softmax page by page (attend_one). Built and loaded by
 // worker/native.py; worker/attention.py's torch path is the reference all are tested against
@@ -232,7 +232,9 @@ void attend_avx512(const float* __restrict qf, const uint16_t* qb, const T* kp, 
                    float* __restrict cbuf, float* __restrict m, float* __restrict l) {
   constexpr int D = 16 * C;
   const int64_t n = hi - lo;
-  const int64_t stride = (n + 15) & ~int64_t(15);  // each head's row of scores in pbuf
+  // each head's row of scores in pbuf: a block starting at slot a of its page writes 16 lanes,
+  // up to 15 past the row's last slot when the first page is entered part way (a window)
+  const int64_t stride = ((n + 15) & ~int64_t(15)) + 16;
   const __m512 vscale = _mm512_set1_ps(fscale);
   // pass 1: scores
   for (int64_t p0 = lo - lo % ps; p0 < hi; p0 += ps) {
@@ -348,10 +350,12 @@ void decode(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor
   auto one = D == 64 ? attend_one<T, 64> : D == 128 ? attend_one<T, 128> : attend_one<T, 0>;
 
 #if defined(__AVX512F__)
-  // the vector path: float32 / bf16, head sizes 64 and 128, no soft-cap
+  // the vector path: float32 / bf16, head sizes 32, 64, 128 and 256, no soft-cap
   decltype(&attend_avx512<T, 4>) fast = nullptr;
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
-    if (fcap <= 0) fast = D == 64 ? attend_avx512<T, 4> : D == 128 ? attend_avx512<T, 8> : nullptr;
+    if (fcap <= 0)
+      fast = D == 32 ? attend_avx512<T, 2> : D == 64 ? attend_avx512<T, 4> : D == 128 ? attend_avx512<T, 8>
+           : D == 256 ? attend_avx512<T, 16> : nullptr;
   }
 #endif
 
@@ -679,7 +683,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor 
 // Whether paged_prefill serves q of this dtype and head size here (else the torch path does).
 bool prefill_supported(torch::Dtype dtype, int64_t head_size) {
 #if defined(__AVX512F__)
-  return (dtype == at::kFloat || dtype == at::kBFloat16) && (head_size == 64 || head_size == 128);
+  return (dtype == at::kFloat || dtype == at::kBFloat16) &&
+         (head_size == 32 || head_size == 64 || head_size == 128 || head_size == 256);
 #else
   return false;
 #endif
@@ -695,7 +700,7 @@ void prefill_into(const torch::Tensor& q, const torch::Tensor& kc, const torch::
                   const torch::Tensor& offsets, const torch::Tensor& starts, const torch::Tensor& lens, double scale,
                   int64_t window, const torch::Tensor& sinks, torch::Tensor& out, int64_t out_row) {
   TORCH_CHECK(out.is_contiguous() && out.size(0) >= out_row + q.size(0), "paged_prefill: out");
-  TORCH_CHECK(prefill_supported(q.scalar_type(), q.size(2)), "paged_prefill: float32 or bf16, head size 64 or 128, AVX-512");
+  TORCH_CHECK(prefill_supported(q.scalar_type(), q.size(2)), "paged_prefill: float32 or bf16, head size 32, 64, 128 or 256, AVX-512");
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes(), "kc, vc: contiguous, same shape");
   TORCH_CHECK(q.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type(), "q, kc, vc: one dtype");
   TORCH_CHECK(q.size(1) % kc.size(1) == 0 && q.size(2) == kc.size(3) && q.stride(2) == 1, "q does not fit the pool");
@@ -723,11 +728,14 @@ void prefill_into(const torch::Tensor& q, const torch::Tensor& kc, const torch::
   const int64_t H = q.size(1), D = q.size(2), kvh = kc.size(1);
   const float fs = float(scale);
   if (q.scalar_type() == at::kFloat) {
-    auto f = D == 64 ? prefill<float, 64> : prefill<float, 128>;
+    auto f = D == 32 ? prefill<float, 32> : D == 64 ? prefill<float, 64> : D == 128 ? prefill<float, 128> : prefill<float, 256>;
     f(q.data_ptr<float>(), q.stride(0), q.stride(1), H, kc.data_ptr<float>(), vc.data_ptr<float>(), tp, op, sp, lp, C,
       kvh, ps, kc.stride(0), kc.stride(1), fs, window, skp, out.data_ptr<float>() + out_row * H * D);
   } else {
-    auto f = D == 64 ? prefill<at::BFloat16, 64> : prefill<at::BFloat16, 128>;
+    auto f = D == 32    ? prefill<at::BFloat16, 32>
+             : D == 64  ? prefill<at::BFloat16, 64>
+             : D == 128 ? prefill<at::BFloat16, 128>
+                        : prefill<at::BFloat16, 256>;
     f(q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), H, kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>(),
       tp, op, sp, lp, C, kvh, ps, kc.stride(0), kc.stride(1), fs, window, skp, out.data_ptr<at::BFloat16>() + out_row * H * D);
   }

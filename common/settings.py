@@ -49,6 +49,7 @@ class Settings:
     result_maxlen: int = _f(100_000, "cap on entries per result stream")
     request_shards: int = _f(1, "request streams per priority level (producers and workers must agree; more spread ingest over a cluster's masters)")
     replica_wait_ms: int = _f(0, "Redis Cluster: before a request entry is acknowledged, WAIT up to this long for a replica to hold its final entry (0: off)")
+    stream_interval_ms: float = _f(20.0, "publish a request's new tokens at most this often: tokens of faster steps go out together, in one entry; a first token and a request's end at once (0: an entry every step)")
     heartbeat_s: float = _f(2.0, "heartbeat and refresh interval")
     grace_s: float = _f(30.0, "on SIGTERM, let running requests finish for this long")
     aging_s: float = _f(10.0, "no starvation: a low entry waiting this long in Redis ranks (and runs) with normal work (0: strict levels)")

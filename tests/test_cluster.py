@@ -213,7 +213,8 @@ def _request(rc, keys: Keys, rid: str, max_tokens: int) -> str:
 
 def test_a_frozen_worker_is_fenced_off_after_its_entry_was_claimed(cluster, cprefix, caplog):
     """Worker a stops (frozen past claim_idle_s) with writes still to send; b claims the entry.
-    When a wakes, the fence (in the result stream's slot) refuses its token and final entries:
+    When a wakes, its lapsed lease holds the writes back; one already on its way when it froze
+    is refused by the fence (in the result stream's slot) refuses its token and final entries:
     b's run is the only one the client sees, exactly one final entry, no seq twice."""
     from service_helpers import final_entry, make_service, run_until
 
@@ -236,6 +237,9 @@ def test_a_frozen_worker_is_fenced_off_after_its_entry_was_claimed(cluster, cpre
     a.outbox.add(Finalize(keys.requests("normal"), entry_id, key, done_entry("frozen", "length", prompt_tokens=3,
                                                                             completion_tokens=20, queue_s=0,
                                                                             ttft_s=0, total_s=0)))
+    a._flush()  # its lease lapsed while it was frozen: nothing goes out before a refresh
+    assert len(a.outbox) == 2 and rc.xlen(key) == before
+    a.outbox.lease_until = float("inf")  # as for writes already on their way when it froze: the fence
     a._flush()
     assert not a.outbox and rc.xlen(key) == before and final_entry(rc, key) is None
     assert "event=final_skipped" in caplog.text

@@ -178,8 +178,9 @@ def test_worker_killed_mid_generation_loses_nothing(r, prefix, worker_factory, r
         got, _, final, raw = read_result(r, f"{prefix}:result:{rid}", timeout=120)
         assert final["type"] == "done" and final["finish_reason"] == "length", final
         assert got == reference(ids, 60), rid
-        seqs = [int(e["seq"]) for e in raw if e["type"] == "token"]
-        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs) == 60, f"{rid}: seqs {seqs}"
+        tokens = [(int(e["seq"]), len(json.loads(e["ids"]))) for e in raw if e["type"] == "token"]
+        starts = [0, *(seq + n for seq, n in tokens[:-1])]
+        assert [seq for seq, _ in tokens] == starts and sum(n for _, n in tokens) == 60, f"{rid}: entries {tokens}"
     for level in ("high", "normal", "low"):
         assert r.xpending(f"{prefix}:requests:{level}", f"{prefix}:workers")["pending"] == 0
     assert "event=claimed" in b.log
@@ -242,3 +243,26 @@ def test_heartbeat(r, prefix, worker_factory):
     assert 0 < r.ttl(f"{prefix}:worker:{w.name}") <= 10
     assert w.stop() == 0
     assert not r.exists(f"{prefix}:worker:{w.name}")
+
+
+def test_tokens_of_fast_steps_go_out_together(r, prefix, worker_factory, reference):
+    """stream_interval_ms: the first token at once, then the tokens of faster steps in one
+    entry each interval (logprobs and choices joined along), contiguous, the same tokens."""
+    worker_factory(prefix, args=["--stream-interval-ms", "400"])
+    xadd(r, prefix, id="one", input_ids=json.dumps([5, 6, 7, 8]), max_tokens="40", temperature="0", ignore_eos="1",
+         logprobs="2")
+    xadd(r, prefix, id="two", input_ids=json.dumps([9, 10]), max_tokens="30", n="2", temperature="0", ignore_eos="1")
+    ids, _, done, raw = read_result(r, f"{prefix}:result:one")
+    assert ids == reference([5, 6, 7, 8], 40) and done["completion_tokens"] == "40"
+    tokens = [e for e in raw if e["type"] == "token"]
+    assert len(json.loads(tokens[0]["ids"])) == 1  # the first token is never held back
+    assert len(tokens) < 40 and max(len(json.loads(e["ids"])) for e in tokens) > 1
+    assert all(len(json.loads(e["logprobs"])) == len(json.loads(e["ids"])) for e in tokens)
+    assert [int(e["seq"]) for e in tokens] == [0, *(int(e["seq"]) + len(json.loads(e["ids"])) for e in tokens[:-1])]
+    _, _, done, raw = read_result(r, f"{prefix}:result:two")
+    choices: dict[str, list[int]] = {"0": [], "1": []}
+    for e in raw:
+        if e["type"] == "token":
+            assert int(e["seq"]) == len(choices[e["index"]])
+            choices[e["index"]] += json.loads(e["ids"])
+    assert choices["0"] == choices["1"] == reference([9, 10], 30) and json.loads(done["finish_reasons"]) == ["length"] * 2

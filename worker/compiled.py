@@ -232,6 +232,7 @@ class CompiledForward:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_DECODERS)
         self.graph = torch.compile(self.decoder, fullgraph=True, dynamic=False)
         self.compile_s: float | None = None
+        self.warm_sizes: set[int] = set()  # step sizes (tokens) already run once (see warm_sizes)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, meta) -> torch.Tensor:
         T = ids.shape[0]
@@ -345,6 +346,32 @@ def warm_up(fwd: CompiledForward, model: nn.Module, eager: nn.Module, shape: dic
         return (f"its logits are {err_graph:.3g} from a float32 evaluation of the same weights, the eager "
                 f"forward's {err_eager:.3g} (allowed {min(allowed, HALF_TOLERANCE * scale * 4):.3g})")
     return None
+
+
+def warm_sizes(fwd: CompiledForward, shape: dict, device, dtype, kernels: tuple[bool, bool], sizes) -> float:
+    """Run the graph once at each step size in ``sizes`` (tokens), on a scratch cache; returns
+    the seconds it took. oneDNN makes a primitive for each new row count of each GEMM shape
+    the first time it meets it (0.5-1 ms each): a worker's first decode steps, one batch size
+    after another, paid that while serving (a tiny model's first 1.7 s of work took 0.2 s
+    longer than the same work again); here it is paid at start instead."""
+    from common.protocol import SamplingParams
+    from worker.cache import KVCache
+    from worker.runner import ModelRunner
+    from worker.scheduler import ScheduledSeq, SchedulerOutput
+    from worker.sequence import Sequence
+
+    todo = sorted(set(sizes) - fwd.warm_sizes - {0})
+    if not todo:
+        return 0.0
+    t = time.perf_counter()
+    runner = ModelRunner(None, KVCache(num_pages=max(todo), dtype=dtype, device=device, **shape), *kernels, compiled=fwd)
+    for n in todo:  # a step of n one-token prompts: n rows through every GEMM
+        seqs = [Sequence(f"warm-{i}", [1], 1, SamplingParams(max_tokens=1), 1, i, 0.0, 0) for i in range(n)]
+        for i, s in enumerate(seqs):
+            s.block_table = [i]
+        runner.execute(SchedulerOutput(scheduled=[ScheduledSeq(s, 0, 1, True) for s in seqs]))
+    fwd.warm_sizes.update(todo)
+    return time.perf_counter() - t
 
 
 class _Reference:

@@ -14,7 +14,7 @@ set_openmp_env()  # before anything loads torch and its OpenMP runtime
 WORKER_FLAGS = [
     "model", "redis_url", "name", "prefix", "device", "dtype", "page_size", "num_pages", "kv_cache_memory",
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "admission_policy", "preemption_mode", "soft_limit",
-    "swap_pages", "prefix_caching", "fast_path", "claim_idle_s", "max_attempts", "result_ttl_s", "result_maxlen", "replica_wait_ms", "request_shards", "heartbeat_s", "grace_s", "aging_s",
+    "swap_pages", "prefix_caching", "fast_path", "claim_idle_s", "max_attempts", "result_ttl_s", "result_maxlen", "replica_wait_ms", "request_shards", "stream_interval_ms", "heartbeat_s", "grace_s", "aging_s",
     "metrics_port", "metrics_host", "max_tokens_limit", "max_prompt_chars", "max_input_ids", "log_level",
 ]
 

@@ -72,6 +72,8 @@ class Service:
         self.outbox = Outbox()
         self.control = Control()
         self.rate = TokenRate()
+        self.pending: dict[tuple[str, int], RequestOutput] = {}  # tokens not published yet (see answers.record)
+        self.published = 0.0  # time.monotonic() of the last publication
         self.stopping = False
         self.stop_deadline = 0.0
         self.due: dict[str, float] = dict.fromkeys(("poll", "heartbeat", "claim", "unknown", "expiry"), 0.0)
@@ -153,7 +155,7 @@ class Service:
 
     def _timers(self, now: float) -> None:
         due = self.due
-        if now >= due["heartbeat"]:
+        if now >= due["heartbeat"] or not self.outbox.leased():  # a lapsed lease: woken from a freeze
             due["heartbeat"] = now + self.s.heartbeat_s
             heartbeat.beat(self)
             recovery.refresh(self)
@@ -177,8 +179,14 @@ class Service:
                 recovery.data_lost(self, created)
             self.control.start_from_recent()
             if not self.conn.connected:
-                recovery.resume_own(self)
                 self.outbox.settle()  # a write that failed before Redis went down is re-sent whole
+                # What was answered during the outage goes out before the resume: a request that
+                # finished meanwhile is acknowledged by its final entry, not served twice, and one
+                # still running resumes after everything it published. First the refresh: what
+                # another worker claimed during a long outage is dropped, not written.
+                recovery.refresh(self)
+                self.outbox.flush(self.writer_r, self.wire)
+                recovery.resume_own(self)
                 self.doorbell.ring_all()
                 self.doorbell.start()
             self.conn.up(len(self.outbox))
@@ -210,6 +218,7 @@ class Service:
         delivery; an entry that keeps failing reaches ``max_attempts`` and is dead-lettered.
         Tokens already published are kept (resume).
         """
+        answers.publish(self)  # what the clients have not seen yet, so a resume starts after it
         left = list(self.inflight.values())
         for f in left:
             self.engine.abort(f.req.id)

@@ -9,6 +9,12 @@ After a step the service writes in a thread of its own (:meth:`Outbox.write_behi
 engine runs the next step: a small model's step takes a few ms and its flush round trip was a
 tenth of that on the loop's critical path. One write at a time, in order: a write waits for the
 one before, and what a failed write did not write goes back in front of what came after it.
+
+Writes hold to a lease (:attr:`Outbox.lease_until`): the service renews it each time it
+refreshes its entries' idle time, for ``claim_idle_s``. A worker frozen past it (SIGSTOP, a
+stalled VM) may have lost its requests to another worker, and the writes it had queued, or
+that its writer thread was about to send, would interleave with the new owner's: nothing is
+written until the service has refreshed again and dropped what it lost.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,6 +215,10 @@ class Outbox:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # one thread, kept: no start per step
         self._writing: list[Op] = []  # what the writer thread has still to write (kept when it fails)
         self._error: Exception | None = None  # the writer's failure, raised by the next flush
+        self.lease_until = float("inf")  # time.monotonic() until which our entries cannot have been claimed
+
+    def leased(self) -> bool:
+        return time.monotonic() < self.lease_until
 
     def __len__(self) -> int:
         """Operations not yet written (the writer's included)."""
@@ -226,7 +237,7 @@ class Outbox:
         """Write everything as one transaction. Raises (and keeps every operation) when Redis is
         down or refuses the whole transaction (e.g. OOM); a single refused command is logged."""
         self.wait()
-        while self.ops:
+        while self.ops and self.leased():
             self.ops = self._flush_once(self.ops, r, w)
 
     def write_behind(self, r: redis.Redis, w: Wire) -> None:
@@ -234,7 +245,7 @@ class Outbox:
         raising its failure as :meth:`flush` would). ``r`` is the writer's own client: on a
         cluster, WAIT must run on the connection that wrote (:func:`wait_replicas`)."""
         self.wait()
-        if self.ops:
+        if self.ops and self.leased():
             self._writing, self.ops = self.ops, []
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenq-writer")
@@ -253,7 +264,7 @@ class Outbox:
 
     def _write(self, r: redis.Redis, w: Wire) -> None:
         try:
-            while self._writing:
+            while self._writing and self.leased():  # checked again: the writer may wake from a freeze
                 self._writing = self._flush_once(self._writing, r, w)
         except Exception as e:  # noqa: BLE001  (handed to the service's thread by wait())
             self._error = e

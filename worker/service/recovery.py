@@ -11,6 +11,7 @@ already on its result stream (docs/protocol.md, "Delivery guarantees").
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from common.errors import INTERNAL
@@ -102,8 +103,11 @@ def refresh(svc: Service) -> None:
     Only entries our consumer still owns: one another worker claimed (we were frozen
     past claim_idle_s) is dropped here, not taken back, so two workers never serve it.
     """
+    # Idle times are reset from here on: nobody can claim our entries before claim_idle_s has passed.
+    lease = time.monotonic() + svc.s.claim_idle_s
     groups = by_stream(svc.inflight)
     if not groups:
+        svc.outbox.lease_until = lease
         return
     pipe = svc.r.pipeline(transaction=False)
     for stream, fs in groups.items():
@@ -115,6 +119,7 @@ def refresh(svc: Service) -> None:
                 drop(svc, f, "claimed by another worker")
             elif f.entry_id in gone and published(svc, f.req.reply_to)[2]:
                 drop(svc, f, "answered by another worker")
+    svc.outbox.lease_until = lease  # what is left is ours: its writes may go out again
 
 
 def drop(svc: Service, f: InFlight, why: str) -> None:

@@ -737,8 +737,9 @@ def main(argv=None) -> int:
         print(f"\n### throughput vs concurrent requests ({args.sweeps}; prompts {prompt_rng}, outputs {conc_out}; "
               "max_num_seqs = requests)\n")
         print(sweep_table("concurrent requests", sweeps["concurrency"]))
-        print(f"\n### throughput vs prompt length ({args.sweeps}; {n_plen} requests, {plen_out} output tokens each)\n")
-        print(sweep_table("prompt tokens", sweeps["prompt_len"]))
+        if sweeps["prompt_len"]:  # --prompt-lens '' skips it
+            print(f"\n### throughput vs prompt length ({args.sweeps}; {n_plen} requests, {plen_out} output tokens each)\n")
+            print(sweep_table("prompt tokens", sweeps["prompt_len"]))
         for line in skipped[n_skipped:]:
             print(f"\nskipped: {line}")
         del model

@@ -42,9 +42,7 @@ def record(svc: Service, outputs: list[RequestOutput]) -> None:
             continue
         if o.new_token_ids:
             svc.rate.add(mono, len(o.new_token_ids))
-        key = (o.request_id, o.index)
-        held = svc.pending.get(key)
-        svc.pending[key] = o if held is None else _joined(held, o)
+        svc.pending.setdefault((o.request_id, o.index), []).append(o)
         urgent = urgent or o.finished or o.choice_finish_reason is not None or (o.seq == 0 and bool(o.new_token_ids))
     if urgent or mono - svc.published >= svc.s.stream_interval_ms / 1000:
         publish(svc)
@@ -57,7 +55,7 @@ def publish(svc: Service) -> None:
         return
     now, mono = time.time(), time.monotonic()
     svc.published = mono
-    held, svc.pending = list(svc.pending.values()), {}
+    held, svc.pending = [_joined(outs) for outs in svc.pending.values()], {}
     tokens = PublishTokens()
     finished = []
     for o in held:
@@ -80,11 +78,16 @@ def publish(svc: Service) -> None:
         finish(svc, f, o.finish_reason or "stop", o.num_prompt_tokens, o.num_output_tokens, started, first, o)
 
 
-def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """One output for two consecutive ones of the same request and choice (``b`` after ``a``)."""
-    lps = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-    return dataclasses.replace(b, new_token_ids=a.new_token_ids + b.new_token_ids, seq=a.seq if a.new_token_ids else b.seq,
-                               text=a.text + b.text, logprobs=lps, prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)
+def _joined(outs: list[RequestOutput]) -> RequestOutput:
+    """One output for consecutive ones of the same request and choice, in order (joined once,
+    at publication, not step by step)."""
+    if len(outs) == 1:
+        return outs[0]
+    with_ids = [o for o in outs if o.new_token_ids]
+    lps = [lp for o in outs for lp in o.logprobs or []] if any(o.logprobs is not None for o in outs) else None
+    return dataclasses.replace(outs[-1], new_token_ids=[t for o in outs for t in o.new_token_ids],
+                               seq=(with_ids[0] if with_ids else outs[-1]).seq, text="".join(o.text for o in outs), logprobs=lps,
+                               prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs), None))
 
 
 def _token_entry(svc: Service, n: int, o: RequestOutput) -> dict[str, str]:

@@ -72,7 +72,7 @@ class Service:
         self.outbox = Outbox()
         self.control = Control()
         self.rate = TokenRate()
-        self.pending: dict[tuple[str, int], RequestOutput] = {}  # tokens not published yet (see answers.record)
+        self.pending: dict[tuple[str, int], list[RequestOutput]] = {}  # per (request, choice): outputs not published yet (answers.record)
         self.published = 0.0  # time.monotonic() of the last publication
         self.stopping = False
         self.stop_deadline = 0.0

@@ -323,7 +323,12 @@ def warm_up(fwd: CompiledForward, model: nn.Module, eager: nn.Module, shape: dic
     # by the token count of the step it traced (a few tokens here: every loop on one thread,
     # and a 2048-token prefill's SiLU took 2 ms a layer); tracing a long step instead gave the
     # same code but, measured, 40% slower prefill and decode steps (not understood).
-    with inductor_config.patch(freezing=True, emulate_precision_casts=True, **{"cpp.dynamic_threads": True}):
+    # cpp.vec_isa_ok: Inductor otherwise builds and loads a test program for each vector ISA
+    # the CPU reports, in every process (1.4 s of each start); where the native kernels built
+    # with -march=native, this compiler already handles this CPU's instruction sets.
+    isa_ok = True if native.load() is not None else None
+    with inductor_config.patch(freezing=True, emulate_precision_casts=True,
+                               **{"cpp.dynamic_threads": True, "cpp.vec_isa_ok": isa_ok}):
         got = steps(ModelRunner(None, cache, *kernels, compiled=fwd), prompts)
         steps(ModelRunner(None, cache, *kernels, compiled=fwd), prompts[:1])  # T = 1 (padded)
     fwd.compile_s = time.perf_counter() - t

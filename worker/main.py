@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 
 from common.settings import Settings
 from worker.tuning import set_openmp_env
@@ -80,6 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     from worker.tuning import freeze_heap, tune_process
 
     tune_process()
+    try:
+        on_cpu = models.resolve_device(settings.device).type == "cpu"
+    except RuntimeError:  # not a device: models.load says so below
+        on_cpu = False
+    if on_cpu:  # the native kernels build (15-20 s of g++ on a first start) while the model loads
+        from worker import native
+
+        threading.Thread(target=native.load, name="native-build", daemon=True).start()
 
     try:
         model, tokenizer = models.load(settings.model, settings.device, settings.dtype)

@@ -11,8 +11,9 @@ first gathering its pages into a copy. The prefill kernel (AVX-512, float32 and 
 sizes 32 to 256) takes every chunk of the step in one call, reads keys and values from the
 pool in place and runs at about 240 GFLOP/s; elsewhere SDPA stays.
 
-It is compiled on first use with the machine's own compiler (``-march=native``; about
-half a minute) and cached by torch's extension builder (``TORCH_EXTENSIONS_DIR``, default
+It is compiled on first use with the machine's own compiler (``-march=native``; 15-20 s,
+which ``tokenq-worker`` spends while the model loads) as a library of torch ops
+(``torch.ops.tokenq_native``), and cached by torch's extension builder (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``), keyed by the source and this CPU's instruction sets, so a
 restart loads it at once. Where it cannot be built (no compiler, not on CPU), the engine
 keeps the torch path (worker/attention.py) and says so in one log line.
@@ -64,13 +65,17 @@ def load():
 
                 src = SOURCE.read_bytes()
                 key = hashlib.sha1(src + _cpu_key().encode() + torch.__version__.encode()).hexdigest()[:12]
-                _module = cpp_extension.load(
+                # a library of torch ops (torch.ops.tokenq_native), not a Python module: see the
+                # source's end
+                cpp_extension.load(
                     name=f"tokenq_paged_attention_{key}",
                     sources=[str(SOURCE)],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],
+                    is_python_module=False,
                     verbose=False,
                 )
+                _module = torch.ops.tokenq_native
             except Exception as e:  # noqa: BLE001 - no compiler, no headers, a build error: the torch path
                 _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
                 log.warning("native decode attention unavailable (%s): the torch path runs", _error)

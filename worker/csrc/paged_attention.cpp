@@ -10,8 +10,10 @@
 // vectorises, with an online softmax page by page (attend_one). Built and loaded by
 // worker/native.py; worker/attention.py's torch path is the reference all are tested against
 // (tests/test_native.py).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -318,8 +320,8 @@ void attend_avx512(const float* __restrict qf, const uint16_t* qb, const T* kp, 
 #endif  // __AVX512F__
 
 template <typename T>
-void decode(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const int64_t* tables,
-            const int64_t* offsets, const int64_t* ctx, torch::Tensor& out, double scale, int64_t window,
+void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const int64_t* tables,
+            const int64_t* offsets, const int64_t* ctx, at::Tensor& out, double scale, int64_t window,
             double softcap, const float* sinks) {
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t kvh = kc.size(1), ps = kc.size(2), g = H / kvh;
@@ -614,16 +616,16 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const
 // the slots each attends (its own new token included, already written). window <= 0: none;
 // softcap <= 0: none; sinks: [H] float32 or an empty tensor. Returns [n, H, D].
 // Writes into out [>= n, H, D] (contiguous).
-void decode_into(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& tables,
-                 const torch::Tensor& offsets, const torch::Tensor& ctx, double scale, int64_t window, double softcap,
-                 const torch::Tensor& sinks, torch::Tensor& out) {
+void decode_into(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
+                 const at::Tensor& offsets, const at::Tensor& ctx, double scale, int64_t window, double softcap,
+                 const at::Tensor& sinks, at::Tensor& out) {
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes(), "kc, vc: contiguous, same shape");
   TORCH_CHECK(q.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type(), "q, kc, vc: one dtype");
   TORCH_CHECK(tables.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && ctx.scalar_type() == at::kLong,
               "tables, offsets, ctx: int64");
   TORCH_CHECK(q.size(1) % kc.size(1) == 0 && q.size(2) == kc.size(3), "q's heads and head size do not fit the pool");
   auto t = tables.contiguous(), o = offsets.contiguous(), c = ctx.contiguous();
-  torch::Tensor sk;
+  at::Tensor sk;
   const float* sp = nullptr;
   if (sinks.defined() && sinks.numel()) {
     sk = sinks.to(at::kFloat).contiguous();
@@ -638,10 +640,10 @@ void decode_into(const torch::Tensor& q, const torch::Tensor& kc, const torch::T
   }
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
-                           torch::Tensor offsets, torch::Tensor ctx, double scale, int64_t window, double softcap,
-                           torch::Tensor sinks) {
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+at::Tensor paged_decode(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor tables,
+                           at::Tensor offsets, at::Tensor ctx, double scale, int64_t window, double softcap,
+                           at::Tensor sinks) {
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   decode_into(q, kc, vc, tables, offsets, ctx, scale, window, softcap, sinks, out);
   return out;
 }
@@ -650,8 +652,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, 
 // k, v [T, kv_heads, D] (any strides); kc, vc [pages, kv_heads, page_size, D] contiguous.
 // (An advanced-indexing assignment did this at 35 us a layer for 64 decodes and 280 us for a
 // 2048-token prefill, its source transposed; here it is one row copy per token and head.)
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor pages,
-              torch::Tensor offs) {
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor kc, at::Tensor vc, at::Tensor pages,
+              at::Tensor offs) {
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes(), "kc, vc: contiguous, same shape");
   TORCH_CHECK(k.scalar_type() == kc.scalar_type() && v.scalar_type() == kc.scalar_type(), "k, v, kc, vc: one dtype");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == kc.size(1) && k.size(2) == kc.size(3), "k, v do not fit the pool");
@@ -681,7 +683,7 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor 
 }
 
 // Whether paged_prefill serves q of this dtype and head size here (else the torch path does).
-bool prefill_supported(torch::Dtype dtype, int64_t head_size) {
+bool prefill_supported(at::ScalarType dtype, int64_t head_size) {
 #if defined(__AVX512F__)
   return (dtype == at::kFloat || dtype == at::kBFloat16) &&
          (head_size == 32 || head_size == 64 || head_size == 128 || head_size == 256);
@@ -696,9 +698,9 @@ bool prefill_supported(torch::Dtype dtype, int64_t head_size) {
 // after the other, offsets [C + 1] where each starts; starts [C]: the positions before each
 // chunk (its cached prefix); lens [C]. window <= 0: none; sinks: [H] or empty. Returns [T, H, D].
 // Writes rows out_row .. out_row + T - 1 of out [.., H, D] (contiguous).
-void prefill_into(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& tables,
-                  const torch::Tensor& offsets, const torch::Tensor& starts, const torch::Tensor& lens, double scale,
-                  int64_t window, const torch::Tensor& sinks, torch::Tensor& out, int64_t out_row) {
+void prefill_into(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
+                  const at::Tensor& offsets, const at::Tensor& starts, const at::Tensor& lens, double scale,
+                  int64_t window, const at::Tensor& sinks, at::Tensor& out, int64_t out_row) {
   TORCH_CHECK(out.is_contiguous() && out.size(0) >= out_row + q.size(0), "paged_prefill: out");
   TORCH_CHECK(prefill_supported(q.scalar_type(), q.size(2)), "paged_prefill: float32 or bf16, head size 32, 64, 128 or 256, AVX-512");
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes(), "kc, vc: contiguous, same shape");
@@ -718,7 +720,7 @@ void prefill_into(const torch::Tensor& q, const torch::Tensor& kc, const torch::
     rows += lp[c];
   }
   TORCH_CHECK(rows == q.size(0), "paged_prefill: q's rows are not the chunks' tokens");
-  torch::Tensor sk;
+  at::Tensor sk;
   const float* skp = nullptr;
   if (sinks.defined() && sinks.numel()) {
     sk = sinks.to(at::kFloat).contiguous();
@@ -742,10 +744,10 @@ void prefill_into(const torch::Tensor& q, const torch::Tensor& kc, const torch::
 #endif
 }
 
-torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
-                            torch::Tensor offsets, torch::Tensor starts, torch::Tensor lens, double scale,
-                            int64_t window, torch::Tensor sinks) {
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+at::Tensor paged_prefill(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor tables,
+                            at::Tensor offsets, at::Tensor starts, at::Tensor lens, double scale,
+                            int64_t window, at::Tensor sinks) {
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   prefill_into(q, kc, vc, tables, offsets, starts, lens, scale, window, sinks, out, 0);
   return out;
 }
@@ -761,7 +763,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
 // at a few sequences.
 struct Step {
   bool set = false;
-  torch::Tensor k, v, write_pages, write_offs, dec_tables, dec_offsets, dec_ctx, pre_tables, pre_offsets, pre_starts,
+  at::Tensor k, v, write_pages, write_offs, dec_tables, dec_offsets, dec_ctx, pre_tables, pre_offsets, pre_starts,
       pre_lens;
   int64_t n_dec = 0;
   std::vector<double> scales;
@@ -769,19 +771,19 @@ struct Step {
 };
 thread_local Step current;
 
-void set_step(torch::Tensor k, torch::Tensor v, torch::Tensor write_pages, torch::Tensor write_offs, int64_t n_dec,
-              torch::Tensor dec_tables, torch::Tensor dec_offsets, torch::Tensor dec_ctx, torch::Tensor pre_tables,
-              torch::Tensor pre_offsets, torch::Tensor pre_starts, torch::Tensor pre_lens, std::vector<double> scales,
-              std::vector<int64_t> windows) {
+void set_step(at::Tensor k, at::Tensor v, at::Tensor write_pages, at::Tensor write_offs, int64_t n_dec,
+              at::Tensor dec_tables, at::Tensor dec_offsets, at::Tensor dec_ctx, at::Tensor pre_tables,
+              at::Tensor pre_offsets, at::Tensor pre_starts, at::Tensor pre_lens, at::ArrayRef<double> scales,
+              at::IntArrayRef windows) {
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() && k.dim() == 5, "set_step: the cache");
   TORCH_CHECK(int64_t(scales.size()) == k.size(0) && windows.size() == scales.size(), "set_step: one scale, window a layer");
   current = Step{true, k, v, write_pages, write_offs, dec_tables, dec_offsets, dec_ctx, pre_tables, pre_offsets,
-                 pre_starts, pre_lens, n_dec, std::move(scales), std::move(windows)};
+                 pre_starts, pre_lens, n_dec, scales.vec(), windows.vec()};
 }
 
 void clear_step() { current = Step{}; }
 
-torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t layer) {
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer) {
   const Step& s = current;
   TORCH_CHECK(s.set, "tokenq_native::attend outside a step (set_step)");
   TORCH_CHECK(layer >= 0 && layer < s.k.size(0), "attend: no layer ", layer);
@@ -789,36 +791,47 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   TORCH_CHECK(T >= n && k.size(0) == T && v.size(0) == T, "attend: fewer rows than the step's tokens");
   auto kc = s.k.select(0, layer), vc = s.v.select(0, layer);
   write_kv(k.narrow(0, 0, n), v.narrow(0, 0, n), kc, vc, s.write_pages, s.write_offs);
-  auto out = torch::empty({T, H, D}, q.options());
+  auto out = at::empty({T, H, D}, q.options());
   if (T > n) out.narrow(0, n, T - n).zero_();  // padding rows (see worker/compiled.py)
   const double scale = s.scales[layer];
   const int64_t window = s.windows[layer];
   if (s.n_dec) {
     TORCH_CHECK(s.dec_tables.defined() && s.dec_tables.numel(), "attend: decodes without their tables");
     decode_into(q.narrow(0, 0, s.n_dec), kc, vc, s.dec_tables, s.dec_offsets, s.dec_ctx, scale, window, 0.0,
-                torch::Tensor(), out);
+                at::Tensor(), out);
   }
   if (n > s.n_dec) {
     TORCH_CHECK(s.pre_tables.defined() && s.pre_tables.numel(), "attend: prefill chunks without their tables");
     prefill_into(q.narrow(0, s.n_dec, n - s.n_dec), kc, vc, s.pre_tables, s.pre_offsets, s.pre_starts, s.pre_lens,
-                 scale, window, torch::Tensor(), out, s.n_dec);
+                 scale, window, at::Tensor(), out, s.n_dec);
   }
   return out.view({T, H * D});
 }
 
-torch::Tensor attend_meta(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t layer) {
+at::Tensor attend_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer) {
   return at::empty_symint({q.sym_size(0), q.sym_size(1) * q.sym_size(2)}, q.options());
 }
 
-TORCH_LIBRARY(tokenq_native, m) { m.def("attend(Tensor q, Tensor k, Tensor v, int layer) -> Tensor"); }
-TORCH_LIBRARY_IMPL(tokenq_native, CPU, m) { m.impl("attend", attend); }
-TORCH_LIBRARY_IMPL(tokenq_native, Meta, m) { m.impl("attend", attend_meta); }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
-  m.def("write_kv", &write_kv, "the step's keys and values into their slots (CPU)");
-  m.def("paged_prefill", &paged_prefill, "paged prefill attention (CPU, AVX-512)");
-  m.def("prefill_supported", &prefill_supported, "whether paged_prefill serves this dtype and head size here");
-  m.def("set_step", &set_step, "the step tokenq_native::attend serves, for the calling thread");
-  m.def("clear_step", &clear_step, "no step (tokenq_native::attend refuses to run)");
+// Registered as torch ops only (no Python module): the build then needs ATen's and the op
+// registry's headers, not torch/extension.h (pybind11 and the whole C++ frontend), which took
+// most of a cold start's 40 s build.
+TORCH_LIBRARY(tokenq_native, m) {
+  m.def("attend(Tensor q, Tensor k, Tensor v, int layer) -> Tensor");
+  m.def("paged_decode(Tensor q, Tensor kc, Tensor vc, Tensor tables, Tensor offsets, Tensor ctx, float scale, "
+        "int window, float softcap, Tensor sinks) -> Tensor");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) kc, Tensor(b!) vc, Tensor pages, Tensor offs) -> ()");
+  m.def("paged_prefill(Tensor q, Tensor kc, Tensor vc, Tensor tables, Tensor offsets, Tensor starts, Tensor lens, "
+        "float scale, int window, Tensor sinks) -> Tensor");
+  m.def("prefill_supported(ScalarType dtype, int head_size) -> bool", prefill_supported);
+  m.def("set_step(Tensor k, Tensor v, Tensor write_pages, Tensor write_offs, int n_dec, Tensor dec_tables, "
+        "Tensor dec_offsets, Tensor dec_ctx, Tensor pre_tables, Tensor pre_offsets, Tensor pre_starts, Tensor pre_lens, "
+        "float[] scales, int[] windows) -> ()", set_step);
+  m.def("clear_step() -> ()", clear_step);
 }
+TORCH_LIBRARY_IMPL(tokenq_native, CPU, m) {
+  m.impl("attend", attend);
+  m.impl("paged_decode", paged_decode);
+  m.impl("write_kv", write_kv);
+  m.impl("paged_prefill", paged_prefill);
+}
+TORCH_LIBRARY_IMPL(tokenq_native, Meta, m) { m.impl("attend", attend_meta); }

@@ -157,9 +157,10 @@ def test_prefill_kernel_matches_dense_attention(dtype, D, kvh, g, extra):
 
 
 @prefill
-def test_prefill_kernel_reads_only_each_chunks_own_slots():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: SDPA where the CPU has AMX
+def test_prefill_kernel_reads_only_each_chunks_own_slots(dtype):
     """Slots past a chunk's last position, and pages its sequence does not hold, are never read."""
-    q, kc, vc, tables, flat, offsets, starts, lens = _prefill_case(torch.float32, 64, 3, 3, seed=6)
+    q, kc, vc, tables, flat, offsets, starts, lens = _prefill_case(dtype, 64, 3, 3, seed=6)
     before = native.paged_prefill(q, kc, vc, flat, offsets, starts, lens, 0.125, None, None)
     held = set(flat.tolist())
     for p in range(kc.shape[0]):

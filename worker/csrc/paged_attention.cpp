@@ -642,9 +642,8 @@ void decode_into(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
   }
 }
 
-at::Tensor paged_decode(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor tables,
-                           at::Tensor offsets, at::Tensor ctx, double scale, int64_t window, double softcap,
-                           at::Tensor sinks) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor tables, at::Tensor offsets,
+                        at::Tensor ctx, double scale, int64_t window, double softcap, at::Tensor sinks) {
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   decode_into(q, kc, vc, tables, offsets, ctx, scale, window, softcap, sinks, out);
   return out;
@@ -654,8 +653,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor t
 // k, v [T, kv_heads, D] (any strides); kc, vc [pages, kv_heads, page_size, D] contiguous.
 // (An advanced-indexing assignment did this at 35 us a layer for 64 decodes and 280 us for a
 // 2048-token prefill, its source transposed; here it is one row copy per token and head.)
-void write_kv(at::Tensor k, at::Tensor v, at::Tensor kc, at::Tensor vc, at::Tensor pages,
-              at::Tensor offs) {
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor kc, at::Tensor vc, at::Tensor pages, at::Tensor offs) {
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes(), "kc, vc: contiguous, same shape");
   TORCH_CHECK(k.scalar_type() == kc.scalar_type() && v.scalar_type() == kc.scalar_type(), "k, v, kc, vc: one dtype");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == kc.size(1) && k.size(2) == kc.size(3), "k, v do not fit the pool");
@@ -781,9 +779,8 @@ void prefill_into(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
 #endif
 }
 
-at::Tensor paged_prefill(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor tables,
-                            at::Tensor offsets, at::Tensor starts, at::Tensor lens, double scale,
-                            int64_t window, at::Tensor sinks) {
+at::Tensor paged_prefill(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor tables, at::Tensor offsets,
+                         at::Tensor starts, at::Tensor lens, double scale, int64_t window, at::Tensor sinks) {
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   prefill_into(q, kc, vc, tables, offsets, starts, lens, scale, window, sinks, out, 0);
   return out;

@@ -139,7 +139,7 @@ def _dense_prefill(q, kc, vc, tables, starts, lens, scale, window=None, sinks=No
 
 
 prefill = pytest.mark.skipif(not native.prefill_usable(torch.device("cpu"), torch.float32, 64),
-                             reason="the prefill kernel needs AVX-512 (SDPA serves prefills here)")
+                             reason="the prefill kernel needs AVX-512 or AVX2 (SDPA serves prefills here)")
 
 
 @prefill

@@ -141,7 +141,7 @@ def paged(layer: int, query, key, value, meta: StepMeta, scaling, window, softca
         out[:n] = _decode(q_all[:n], kc, vc, meta, window, scaling, softcap, sinks)
 
     # 3. Prefill chunks, each against its cached prefix plus itself: all in one call to the
-    #    native kernel (fast path, AVX-512; it has no soft-cap), else one SDPA call each.
+    #    native kernel (fast path, AVX-512 or AVX2; it has no soft-cap), else one SDPA call each.
     if meta.prefills and meta.pre_tables is not None and softcap is None:
         out[n:] = native.paged_prefill(q_all[n:], kc, vc, *meta.pre_tables, scaling, window, sinks)
         return out.unsqueeze(0), None

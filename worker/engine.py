@@ -84,7 +84,7 @@ class Engine:
                  "torch ops" + (f" ({native.error()})" if native.error() else ""))
         log.info("prefill attention: %s", "native kernel (worker/native.py)" if native_prefill else
                  "SDPA" + (f" ({native.error()})" if native.error() else
-                           " (the native kernel covers float32/bf16, head sizes 32/64/128/256, on AVX-512)" if native_decode else ""))
+                           " (the native kernel covers float32/bf16, head sizes 32/64/128/256, on AVX-512 or AVX2)" if native_decode else ""))
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = self._eos_ids(model, tokenizer)
         self._seqs: dict[str, list[Sequence]] = {}  # request id -> its choices (n of them)

@@ -7,9 +7,10 @@ reads each sequence's pages in place, once, with an online softmax in float32.
 
 Prefill chunks went through SDPA, one call per chunk and layer (at about 80 GFLOP/s on two
 cores, a fifth of a 2048-token SmolLM2 step), with a chunk that continues a cached prefix
-first gathering its pages into a copy. The prefill kernel (AVX-512, float32 and bf16, head
-sizes 32 to 256) takes every chunk of the step in one call, reads keys and values from the
-pool in place and runs at about 240 GFLOP/s; elsewhere SDPA stays. In bfloat16 on a CPU with AMX it
+first gathering its pages into a copy. The prefill kernel (AVX-512 or AVX2, float32 and bf16,
+head sizes 32 to 256) takes every chunk of the step in one call, reads keys and values from the
+pool in place and runs at about 240 GFLOP/s with AVX-512 (60 with AVX2 on an AMD EPYC, where
+SDPA reached 42); elsewhere SDPA stays. In bfloat16 on a CPU with AMX it
 hands each chunk to SDPA itself (its keys and values gathered from the pool): torch's flash
 attention runs its products as AMX tile GEMMs, 1.8x the kernel's vector loops there.
 

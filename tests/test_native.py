@@ -213,3 +213,19 @@ def test_turned_off_it_says_why_and_the_torch_path_runs(monkeypatch, caplog):
     from common.protocol import SamplingParams
     out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0]) == 4
+
+
+def test_a_build_killed_midway_does_not_block_the_next_start():
+    """torch's extension builder waits without end for its ``lock`` file to go; one left by a
+    killed build must not hang the next start (worker/native.py's build lock removes it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    stale = Path(native.build_directory()) / "lock"
+    stale.touch()
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", "from worker import native; print(native.load() is not None)"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
+    assert not stale.exists()

@@ -24,6 +24,8 @@ keeps the torch path (worker/attention.py) and says so in one log line.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -54,6 +56,38 @@ def _cpu_key() -> str:
     return platform.processor() or platform.machine()
 
 
+def _name() -> str:
+    key = hashlib.sha1(SOURCE.read_bytes() + _cpu_key().encode() + torch.__version__.encode()).hexdigest()[:12]
+    return f"tokenq_paged_attention_{key}"
+
+
+def build_directory() -> str:
+    """Where torch's extension builder keeps this source's build for this CPU (created if missing)."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension._get_build_directory(_name(), False)
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: str):
+    """Held around torch's extension build. torch marks a build in progress with a plain
+    ``lock`` file and waits, without end, while it exists; a process killed during the build
+    (a worker stopped in its first start, while the kernels build beside the model load) leaves
+    it behind, and every later start hung there. This lock is an flock, which the OS releases
+    when its holder dies: every builder takes it first, so whoever holds it knows that a
+    ``lock`` file it finds is stale, and removes it."""
+    with open(os.path.join(build_dir, "tokenq.flock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            log.warning("native kernels: removing %s, left by a build that did not finish", stale)
+            os.remove(stale)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def load():
     """The compiled module (None when it cannot be built here; ``error()`` says why)."""
     global _module, _error
@@ -66,18 +100,19 @@ def load():
             try:
                 from torch.utils import cpp_extension
 
-                src = SOURCE.read_bytes()
-                key = hashlib.sha1(src + _cpu_key().encode() + torch.__version__.encode()).hexdigest()[:12]
-                # a library of torch ops (torch.ops.tokenq_native), not a Python module: see the
-                # source's end
-                cpp_extension.load(
-                    name=f"tokenq_paged_attention_{key}",
-                    sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    is_python_module=False,
-                    verbose=False,
-                )
+                name, build_dir = _name(), build_directory()
+                with _build_lock(build_dir):
+                    # a library of torch ops (torch.ops.tokenq_native), not a Python module: see
+                    # the source's end
+                    cpp_extension.load(
+                        name=name,
+                        sources=[str(SOURCE)],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                        extra_ldflags=["-fopenmp"],
+                        build_directory=build_dir,
+                        is_python_module=False,
+                        verbose=False,
+                    )
                 _module = torch.ops.tokenq_native
             except Exception as e:  # noqa: BLE001 - no compiler, no headers, a build error: the torch path
                 _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"

@@ -65,6 +65,52 @@ inline void store_row(at::BFloat16* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = at::BFloat16(src[i]);
 }
 
+// The layout of a step's prefill work, shared by the vector paths' prefill kernels: each chunk's
+// first row in q and its slots rounded up to the key block bk; where each (chunk, kv head)'s
+// transposed keys start in the float32 tiles (ktoff); the work items (chunk, kv head, block of
+// bq positions) and the parts the threads take, split by the keys each item reads
+// (part p: items [bound[p], bound[p + 1])).
+struct PrefillPlan {
+  struct Item {
+    int64_t c, h, p0, p1;
+  };
+  std::vector<int64_t> row0, span, ktoff, bound;
+  std::vector<Item> items;
+};
+
+inline PrefillPlan plan_prefill(const int64_t* starts, const int64_t* lens, int64_t C, int64_t kvh, int64_t D,
+                                int64_t window, int64_t bq, int64_t bk) {
+  PrefillPlan pl;
+  pl.row0.assign(C + 1, 0);
+  pl.span.resize(C);
+  for (int64_t c = 0; c < C; ++c) {
+    pl.row0[c + 1] = pl.row0[c] + lens[c];
+    pl.span[c] = (starts[c] + lens[c] + bk - 1) / bk * bk;
+  }
+  pl.ktoff.assign(C * kvh + 1, 0);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t h = 0; h < kvh; ++h) pl.ktoff[c * kvh + h + 1] = pl.ktoff[c * kvh + h] + D * pl.span[c];
+  std::vector<int64_t> cost(1, 0);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t h = 0; h < kvh; ++h)
+      for (int64_t i = 0; i < lens[c]; i += bq) {
+        const int64_t p0 = starts[c] + i, p1 = starts[c] + std::min(lens[c], i + bq);
+        pl.items.push_back({c, h, p0, p1});
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
+        cost.push_back(cost.back() + (p1 - lo) + bk);
+      }
+  const int64_t n_items = pl.items.size();
+  const int64_t parts = std::min<int64_t>(n_items, 8 * at::get_num_threads());
+  pl.bound.assign(parts + 1, n_items);
+  pl.bound[0] = 0;
+  for (int64_t p = 1, it = 0; p < parts; ++p) {
+    const int64_t target = cost[n_items] * p / parts;
+    while (it < n_items && cost[it] < target) ++it;
+    pl.bound[p] = it;
+  }
+  return pl;
+}
+
 // One (sequence, kv head): its g query heads (qf, float32) against the slots [lo, hi) of its
 // pages; writes the g output rows (unnormalised sums in acc, then divided). DC is the head size
 // when known at compile time (64, 128: the loops over it unroll and acc stays in registers),
@@ -493,14 +539,10 @@ void prefill_avx2(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, 
                   const float* sinks, T* out) {
   constexpr int BQ = 16, BK = 32, RB = 3, PR = 3, Z = BK / 8;
   const int64_t g = H / kvh;
-  std::vector<int64_t> row0(C + 1, 0), span(C);
-  for (int64_t c = 0; c < C; ++c) {
-    row0[c + 1] = row0[c] + lens[c];
-    span[c] = (starts[c] + lens[c] + BK - 1) / BK * BK;
-  }
-  std::vector<int64_t> ktoff(C * kvh + 1, 0);
-  for (int64_t c = 0; c < C; ++c)
-    for (int64_t h = 0; h < kvh; ++h) ktoff[c * kvh + h + 1] = ktoff[c * kvh + h] + D * span[c];
+  const PrefillPlan pl = plan_prefill(starts, lens, C, kvh, D, window, BQ, BK);
+  const auto &row0 = pl.row0, &span = pl.span, &ktoff = pl.ktoff, &bound = pl.bound;
+  const auto& items = pl.items;
+  const int64_t parts = int64_t(bound.size()) - 1;
   std::vector<float> kt(ktoff[C * kvh]);
   at::parallel_for(0, C * kvh, 1, [&](int64_t a, int64_t b) {
     float row[D];
@@ -518,35 +560,13 @@ void prefill_avx2(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, 
       }
     }
   });
-  struct Item {
-    int64_t c, h, p0, p1;
-  };
-  std::vector<Item> items;
-  std::vector<int64_t> cost(1, 0);
-  for (int64_t c = 0; c < C; ++c)
-    for (int64_t h = 0; h < kvh; ++h)
-      for (int64_t i = 0; i < lens[c]; i += BQ) {
-        const int64_t p0 = starts[c] + i, p1 = starts[c] + std::min(lens[c], i + BQ);
-        items.push_back({c, h, p0, p1});
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
-        cost.push_back(cost.back() + (p1 - lo) + BK);
-      }
-  const int64_t n_items = items.size();
-  const int64_t parts = std::min<int64_t>(n_items, 8 * at::get_num_threads());
-  std::vector<int64_t> bound(parts + 1, n_items);
-  bound[0] = 0;
-  for (int64_t p = 1, it = 0; p < parts; ++p) {
-    const int64_t target = cost[n_items] * p / parts;
-    while (it < n_items && cost[it] < target) ++it;
-    bound[p] = it;
-  }
   const float NEG = -std::numeric_limits<float>::infinity();
   const __m256 negv = _mm256_set1_ps(NEG);
   at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
     const int64_t rmax = (g * BQ + RB - 1) / RB * RB;
     std::vector<float> Q(rmax * D, 0.f), S(rmax * BK), P(g * BQ * BK), O(g * BQ * D), M(g * BQ), L(g * BQ), vf(BK * D);
     for (int64_t ii = bound[pb]; ii < bound[pe]; ++ii) {
-      const Item it = items[ii];
+      const PrefillPlan::Item it = items[ii];
       const int64_t nq = it.p1 - it.p0, R = g * nq, Rp = (R + RB - 1) / RB * RB;  // row j * nq + i: head j, position p0 + i
       const int64_t ctx = starts[it.c] + lens[it.c];
       const float* Kt = kt.data() + ktoff[it.c * kvh + it.h];
@@ -771,17 +791,13 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const
   constexpr int C4 = D / 16;
   constexpr int PR = 16 / C4;  // rows per V tile (PR x C4 = 16 accumulators)
   const int64_t g = H / kvh;
-  std::vector<int64_t> row0(C + 1, 0), span(C);  // first row of each chunk; its slots rounded up to BK
-  for (int64_t c = 0; c < C; ++c) {
-    row0[c + 1] = row0[c] + lens[c];
-    span[c] = (starts[c] + lens[c] + BK - 1) / BK * BK;
-  }
-  // 1. Kt per (chunk, kv head), float32, zero past the chunk's last slot: a D x BK tile per block
-  //    of BK keys (one [D][span] matrix put 2 KB between a block's rows at 512 slots: every
-  //    row in the same cache sets, and long chunks ran at 95 GFLOP/s instead of 240)
-  std::vector<int64_t> ktoff(C * kvh + 1, 0);
-  for (int64_t c = 0; c < C; ++c)
-    for (int64_t h = 0; h < kvh; ++h) ktoff[c * kvh + h + 1] = ktoff[c * kvh + h] + D * span[c];
+  const PrefillPlan pl = plan_prefill(starts, lens, C, kvh, D, window, BQ, BK);
+  const auto &row0 = pl.row0, &span = pl.span, &ktoff = pl.ktoff, &bound = pl.bound;
+  const auto& items = pl.items;
+  const int64_t parts = int64_t(bound.size()) - 1;
+  // Kt per (chunk, kv head), float32, zero past the chunk's last slot: a D x BK tile per block
+  // of BK keys (one [D][span] matrix put 2 KB between a block's rows at 512 slots: every row in
+  // the same cache sets, and long chunks ran at 95 GFLOP/s instead of 240)
   std::vector<float> kt(ktoff[C * kvh]);
   at::parallel_for(0, C * kvh, 1, [&](int64_t a, int64_t b) {
     alignas(64) float tile[16 * D];  // 16 slots' rows, written out column by column
@@ -804,35 +820,12 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const
       }
     }
   });
-  // 2. the work items, split between threads by the keys they read
-  struct Item {
-    int64_t c, h, p0, p1;
-  };
-  std::vector<Item> items;
-  std::vector<int64_t> cost(1, 0);
-  for (int64_t c = 0; c < C; ++c)
-    for (int64_t h = 0; h < kvh; ++h)
-      for (int64_t i = 0; i < lens[c]; i += BQ) {
-        const int64_t p0 = starts[c] + i, p1 = starts[c] + std::min(lens[c], i + BQ);
-        items.push_back({c, h, p0, p1});
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
-        cost.push_back(cost.back() + (p1 - lo) + BK);
-      }
-  const int64_t n_items = items.size();
-  const int64_t parts = std::min<int64_t>(n_items, 8 * at::get_num_threads());
-  std::vector<int64_t> bound(parts + 1, n_items);
-  bound[0] = 0;
-  for (int64_t p = 1, it = 0; p < parts; ++p) {
-    const int64_t target = cost[n_items] * p / parts;
-    while (it < n_items && cost[it] < target) ++it;
-    bound[p] = it;
-  }
   const float NEG = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
     const int64_t rmax = (g * BQ + RB - 1) / RB * RB;
     std::vector<float> Q(rmax * D, 0.f), S(rmax * BK), P(g * BQ * BK), O(g * BQ * D), M(g * BQ), L(g * BQ), vf(BK * D);
     for (int64_t ii = bound[pb]; ii < bound[pe]; ++ii) {
-      const Item it = items[ii];
+      const PrefillPlan::Item it = items[ii];
       const int64_t nq = it.p1 - it.p0, R = g * nq, Rp = (R + RB - 1) / RB * RB;  // row j * nq + i: head j, position p0 + i
       const int64_t ctx = starts[it.c] + lens[it.c], n = span[it.c];
       const float* Kt = kt.data() + ktoff[it.c * kvh + it.h];

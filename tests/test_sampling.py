@@ -51,7 +51,7 @@ def _rows(n: int, **params) -> list[Sequence]:
     return [Sequence(f"s{i}", [1, 2, 3], 3, sp, 1, i, 0.0, seed=i) for i in range(n)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_greedy_takes_the_first_of_equal_maxima(dtype):
     # as transformers' argmax does (the engine takes max(dim).indices, which is faster)
     logits = torch.full((3, 49152), -1.0, dtype=dtype)

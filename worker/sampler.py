@@ -79,12 +79,11 @@ def sample_step(logits: torch.Tensor, seqs: list[Sequence], stop_ids: set[int], 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One next token per row of ``logits`` ([n, vocab]) for ``seqs`` (same order)."""
-    # bf16/fp16 -> float32 is exact, so the argmax (first of equal maxima) is the same; over a
-    # vocabulary row it is 3x faster in float32 (measured on CPU: 64 x 49152, 5.9 -> 1.8 ms),
-    # and max(dim) (which also returns the first of equal maxima) 2.5x faster than argmax (2.3
-    # -> 0.9 ms, float32, AVX-512).
-    half = logits.dtype in (torch.float16, torch.bfloat16)
-    greedy = (logits.float() if half else logits).max(dim=-1).indices
+    # max(dim) returns the first of equal maxima, as argmax does, and runs 2.5x faster (2.3 ->
+    # 0.9 ms, 64 x 49152 float32, AVX-512). On bf16 logits it reads them as they are: a
+    # float32 copy first (exact, the same index) took 2.2 ms against 1.1 (3 ms a SmolLM2 step
+    # in a serving run, 5% of it).
+    greedy = logits.max(dim=-1).indices
     rows = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
     if not rows:
         return greedy.tolist()

@@ -10,9 +10,9 @@ cores, a fifth of a 2048-token SmolLM2 step), with a chunk that continues a cach
 first gathering its pages into a copy. The prefill kernel (AVX-512 or AVX2, float32 and bf16,
 head sizes 32 to 256) takes every chunk of the step in one call, reads keys and values from the
 pool in place and runs at about 240 GFLOP/s with AVX-512 (60 with AVX2 on an AMD EPYC, where
-SDPA reached 42); elsewhere SDPA stays. In bfloat16 on a CPU with AMX it
-hands each chunk to SDPA itself (its keys and values gathered from the pool): torch's flash
-attention runs its products as AMX tile GEMMs, 1.8x the kernel's vector loops there.
+SDPA reached 42); elsewhere SDPA stays. In bfloat16 on a CPU with AMX the kernel runs both
+products as AMX tile products (prefill_amx): 400 GFLOP/s on SmolLM2's chunks, where torch's
+SDPA (AMX too, each chunk gathered out of the pool first) reached 230 and the vector loops 140.
 
 It is compiled on first use with the machine's own compiler (``-march=native``; 15-20 s,
 which ``tokenq-worker`` spends while the model loads) as a library of torch ops

@@ -11,9 +11,7 @@
 // worker/native.py; worker/attention.py's torch path is the reference all are tested against
 // (tests/test_native.py).
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -196,6 +194,8 @@ void attend_one(const float* __restrict qf, const T* kp, const T* vp, const int6
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 // The AVX-512 path: slots are scored 16 at a time. Each slot's dot product is a few FMAs
 // into its own accumulator (bf16 K with AVX512-BF16: dot products of bf16 pairs straight
@@ -949,6 +949,180 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const
     }
   });
 }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// ---------------------------------------------------------------------------- prefill on AMX
+
+// bf16 prefill on a CPU with AMX: the same work items and online softmax as prefill() above,
+// with both products as AMX tile products (16 x 32 bf16 by 32 x 16 bf16 into 16 x 16 float32),
+// so the softmax is what is left to the vector unit. Each item takes its 16 positions of one
+// query head at a time as a tile's rows; keys come 32 at a time. Scores: two 16 x 16 tiles
+// (keys 0-15, 16-31) summed over D / 32 tile products. The probabilities are rounded to bf16
+// for their product with V (as torch's flash attention does for bf16), their sum is not. Keys
+// and values are repacked once per call into the pairs layout tile products read: K as D/2 x 16
+// words per 16 keys, V as 16 x 16 words per 32 keys and 16 columns (word = 2 bf16 of adjacent
+// d, resp. adjacent keys). torch's SDPA (AMX too) on the same chunks, each gathered out of the
+// pool first: ~210 GFLOP/s on a SmolLM2 bf16 run (2 cores).
+
+// Linux hands a thread AMX's tile registers only once the process has asked for them.
+bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {  // palette 1: eight tiles of 16 rows x 64 bytes
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+constexpr int AQ = 16;  // positions per work item: a tile's rows
+constexpr int AK = 32;  // keys per block: the K depth of one tile product with V
+
+template <int D>
+void prefill_amx(const at::BFloat16* q, int64_t qs0, int64_t qs1, int64_t H, const at::BFloat16* kp,
+                 const at::BFloat16* vp, const int64_t* tables, const int64_t* offsets, const int64_t* starts,
+                 const int64_t* lens, int64_t C, int64_t kvh, int64_t ps, int64_t page_stride, int64_t head_stride,
+                 float scale, int64_t window, const float* sinks, at::BFloat16* out) {
+  constexpr int W = D / 2;  // words (bf16 pairs) a key row
+  const int64_t g = H / kvh;
+  const PrefillPlan pl = plan_prefill(starts, lens, C, kvh, D, window, AQ, AK);
+  const auto &row0 = pl.row0, &span = pl.span, &ktoff = pl.ktoff, &bound = pl.bound;
+  const auto& items = pl.items;
+  const int64_t parts = int64_t(bound.size()) - 1;
+  // per (chunk, kv head), span * W words each, zero past the chunk's last slot:
+  // kt[block of 16 keys][W][16], vt[block of 32 keys][D / 16][16 key pairs][16 columns]
+  std::vector<uint32_t> kt(ktoff[C * kvh] / 2), vt(ktoff[C * kvh] / 2);
+  at::parallel_for(0, C * kvh, 1, [&](int64_t a, int64_t b) {
+    alignas(64) uint32_t rows[16 * W];
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(W));
+    for (int64_t it = a; it < b; ++it) {
+      const int64_t c = it / kvh, h = it % kvh, ctx = starts[c] + lens[c], n = span[c];
+      const int64_t* table = tables + offsets[c];
+      auto slot = [&](const at::BFloat16* pool, int64_t k) {
+        return reinterpret_cast<const uint16_t*>(pool + table[k / ps] * page_stride + h * head_stride + (k % ps) * D);
+      };
+      uint32_t* kd = kt.data() + ktoff[it] / 2;
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        for (int64_t t = 0; t < 16; ++t) {
+          if (t0 + t < ctx)
+            std::memcpy(rows + t * W, slot(kp, t0 + t), D * 2);
+          else
+            std::memset(rows + t * W, 0, D * 2);
+        }
+        uint32_t* blk = kd + t0 * W;
+        for (int w = 0; w < W; ++w)
+          _mm512_storeu_si512(blk + w * 16, _mm512_i32gather_epi32(idx, (const int*)(rows + w), 4));
+      }
+      uint32_t* vd = vt.data() + ktoff[it] / 2;
+      for (int64_t k0 = 0; k0 < n; k0 += AK)
+        for (int cg = 0; cg < D / 16; ++cg) {
+          uint32_t* blk = vd + (k0 / AK * (D / 16) + cg) * 256;
+          for (int p = 0; p < 16; ++p) {
+            const int64_t k = k0 + 2 * p;
+            const __m512i lo = k < ctx ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(slot(vp, k) + 16 * cg)))
+                                       : _mm512_setzero_si512();
+            const __m512i hi = k + 1 < ctx
+                                   ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(slot(vp, k + 1) + 16 * cg)))
+                                   : _mm512_setzero_si512();
+            _mm512_storeu_si512(blk + p * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+          }
+        }
+    }
+  });
+  const float NEG = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
+    const TileConfig cfg;
+    _tile_loadconfig(&cfg);
+    alignas(64) uint16_t Q[AQ * D], P[AQ * AK];
+    alignas(64) float S[AQ * AK], O[AQ * D], M[AQ], L[AQ];
+    for (int64_t ii = bound[pb]; ii < bound[pe]; ++ii) {
+      const PrefillPlan::Item it = items[ii];
+      const int64_t nq = it.p1 - it.p0;
+      const int64_t first_row = row0[it.c] + it.p0 - starts[it.c];
+      const uint32_t* Kt = kt.data() + ktoff[it.c * kvh + it.h] / 2;
+      const uint32_t* Vt = vt.data() + ktoff[it.c * kvh + it.h] / 2;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, it.p0 - window + 1) : 0;
+      std::memset(Q + nq * D, 0, (AQ - nq) * D * 2);  // padding rows: zero scores, P rows kept zero
+      std::memset(P + nq * AK, 0, (AQ - nq) * AK * 2);
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t head = it.h * g + j;
+        for (int64_t i = 0; i < nq; ++i) std::memcpy(Q + i * D, q + (first_row + i) * qs0 + head * qs1, D * 2);
+        std::memset(O, 0, sizeof(O));
+        for (int i = 0; i < AQ; ++i) {
+          M[i] = sinks ? sinks[head] : NEG;
+          L[i] = 0.f;
+        }
+        for (int64_t k0 = lo / AK * AK; k0 < it.p1; k0 += AK) {
+          _tile_zero(0);
+          _tile_zero(1);
+          for (int dc = 0; dc < D / 32; ++dc) {
+            _tile_loadd(2, Q + 32 * dc, D * 2);
+            _tile_loadd(3, Kt + (k0 * W + 16 * dc * 16), 64);
+            _tile_loadd(4, Kt + ((k0 + 16) * W + 16 * dc * 16), 64);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+          }
+          _tile_stored(0, S, AK * 4);
+          _tile_stored(1, S + 16, AK * 4);
+          const __m512 vs = _mm512_set1_ps(scale);
+          for (int64_t i = 0; i < nq; ++i) {
+            const int64_t pos = it.p0 + i, first = window > 0 ? pos - window + 1 : 0;
+            __mmask16 valid[2];
+            __m512 s[2];
+            __m512 mxv = _mm512_set1_ps(NEG);
+            for (int z = 0; z < 2; ++z) {
+              const int64_t b0 = k0 + 16 * z;
+              __mmask16 vm = 0xFFFF;
+              if (b0 + 15 > pos) vm = pos >= b0 ? __mmask16((1u << (pos - b0 + 1)) - 1) : 0;
+              if (b0 < first) vm &= first - b0 >= 16 ? 0 : __mmask16(~((1u << (first - b0)) - 1));
+              valid[z] = vm;
+              s[z] = _mm512_mul_ps(_mm512_loadu_ps(S + i * AK + 16 * z), vs);
+              mxv = _mm512_mask_max_ps(mxv, vm, mxv, s[z]);
+            }
+            const float mx = std::max(M[i], _mm512_reduce_max_ps(mxv));
+            if (mx == NEG) {  // nothing attended yet (a block wholly before the window)
+              std::memset(P + i * AK, 0, AK * 2);
+              continue;
+            }
+            const float corr = std::exp(M[i] - mx);
+            const __m512 vmx = _mm512_set1_ps(mx);
+            const __m512 e0 = _mm512_maskz_mov_ps(valid[0], exp_neg16(_mm512_sub_ps(s[0], vmx)));
+            const __m512 e1 = _mm512_maskz_mov_ps(valid[1], exp_neg16(_mm512_sub_ps(s[1], vmx)));
+            L[i] = L[i] * corr + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+            M[i] = mx;
+            _mm512_storeu_si512(P + i * AK, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            if (corr != 1.f) {
+              const __m512 vc = _mm512_set1_ps(corr);
+              for (int cg = 0; cg < D / 16; ++cg)
+                _mm512_storeu_ps(O + i * D + 16 * cg, _mm512_mul_ps(_mm512_loadu_ps(O + i * D + 16 * cg), vc));
+            }
+          }
+          _tile_loadd(5, P, AK * 2);
+          const uint32_t* vb = Vt + k0 / AK * (D / 16) * 256;
+          for (int cg = 0; cg < D / 16; ++cg) {
+            _tile_loadd(7, O + 16 * cg, D * 4);
+            _tile_loadd(6, vb + cg * 256, 64);
+            _tile_dpbf16ps(7, 5, 6);
+            _tile_stored(7, O + 16 * cg, D * 4);
+          }
+        }
+        for (int64_t i = 0; i < nq; ++i) {
+          const float denom = L[i] + (sinks ? std::exp(sinks[head] - M[i]) : 0.f);
+          const __m512 inv = _mm512_set1_ps(1.f / denom);
+          float* o = O + i * D;
+          for (int cg = 0; cg < D / 16; ++cg) _mm512_storeu_ps(o + 16 * cg, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * cg), inv));
+          store_row(out + ((first_row + i) * H + head) * D, o, D);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif  // AMX
 #endif  // __AVX512F__
 
 
@@ -1039,31 +1213,6 @@ bool prefill_supported(at::ScalarType dtype, int64_t head_size) {
 // after the other, offsets [C + 1] where each starts; starts [C]: the positions before each
 // chunk (its cached prefix); lens [C]. window <= 0: none; sinks: [H] or empty. Returns [T, H, D].
 // Writes rows out_row .. out_row + T - 1 of out [.., H, D] (contiguous).
-#if defined(__AMX_BF16__)
-// Each chunk through SDPA: its sequence's slots 0 .. start + len - 1 gathered from the pool,
-// causal from the chunk's own positions (a chunk after a cached prefix sees all of it).
-void prefill_sdpa(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& t,
-                  const int64_t* op, const int64_t* sp, const int64_t* lp, int64_t C, double scale, at::Tensor& out,
-                  int64_t out_row) {
-  const int64_t kvh = kc.size(1), ps = kc.size(2), D = kc.size(3);
-  int64_t row = 0;
-  for (int64_t c = 0; c < C; ++c) {
-    const int64_t s = sp[c], n = lp[c], total = s + n, np = (total + ps - 1) / ps;
-    auto pages = t.narrow(0, op[c], np);
-    auto k = kc.index_select(0, pages).permute({1, 0, 2, 3}).reshape({1, kvh, np * ps, D}).narrow(2, 0, total);
-    auto v = vc.index_select(0, pages).permute({1, 0, 2, 3}).reshape({1, kvh, np * ps, D}).narrow(2, 0, total);
-    auto qc = q.narrow(0, row, n).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
-    std::optional<at::Tensor> mask;
-    if (s > 0) {  // row i sees slots 0 .. s + i
-      auto opts = at::TensorOptions().dtype(at::kLong);
-      mask = at::arange(total, opts).unsqueeze(0).le(at::arange(n, opts).add(s).unsqueeze(1));
-    }
-    auto o = at::scaled_dot_product_attention(qc, k, v, mask, 0.0, s == 0, scale, /*enable_gqa=*/true);
-    out.narrow(0, out_row + row, n).copy_(o[0].transpose(0, 1));
-    row += n;
-  }
-}
-#endif
 
 void prefill_into(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
                   const at::Tensor& offsets, const at::Tensor& starts, const at::Tensor& lens, double scale,
@@ -1093,12 +1242,13 @@ void prefill_into(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
     sk = sinks.to(at::kFloat).contiguous();
     skp = sk.data_ptr<float>();
   }
-#if defined(__AMX_BF16__)
-  // bf16 on a CPU with AMX: torch's flash attention (SDPA) runs its products as AMX tile
-  // GEMMs, 1.8x this file's kernel for a 512-token SmolLM2 prompt even with each chunk's keys
-  // and values gathered out of the pool first. Windows and sinks stay with the kernel below.
-  if (q.scalar_type() == at::kBFloat16 && window <= 0 && !skp) {
-    prefill_sdpa(q, kc, vc, t, op, sp, lp, C, scale, out, out_row);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  if (q.scalar_type() == at::kBFloat16 && amx_ready()) {  // bf16 with AMX: tile products
+    const int64_t H = q.size(1), D = q.size(2), kvh = kc.size(1);
+    auto f = D == 32 ? prefill_amx<32> : D == 64 ? prefill_amx<64> : D == 128 ? prefill_amx<128> : prefill_amx<256>;
+    f(q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), H, kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>(),
+      tp, op, sp, lp, C, kvh, ps, kc.stride(0), kc.stride(1), float(scale), window, skp,
+      out.data_ptr<at::BFloat16>() + out_row * H * D);
     return;
   }
 #endif

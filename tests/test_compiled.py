@@ -84,6 +84,22 @@ def test_no_recompilation_at_any_batch_shape(llama32, caplog):
         assert got == [t for o in eager.outputs[rid] for t in o.new_token_ids], rid
 
 
+def test_leftovers_in_reused_pages_change_nothing(llama32):
+    """With the native kernels the runner does not zero a page it hands out again: nothing
+    reads a slot past a sequence's context. A pool full of NaN and inf from the start, its pages
+    reused many times over (a few pages for the whole workload), gives the same tokens."""
+    cfg = dict(ENGINE, num_pages=48)
+    clean = drive(make_engine(llama32, **cfg), _shapes_workload(seed=2))
+    engine = make_engine(llama32, **cfg)
+    assert engine.runner.native_decode, "the native kernels did not load"
+    engine.runner.cache.k.fill_(float("nan"))
+    engine.runner.cache.v.fill_(float("inf"))
+    dirty = drive(engine, _shapes_workload(seed=2))
+    for rid in clean.added:
+        got = [t for o in dirty.outputs[rid] for t in o.new_token_ids]
+        assert got == [t for o in clean.outputs[rid] for t in o.new_token_ids], rid
+
+
 @pytest.mark.parametrize("kind", list(ROPE))
 def test_rope_tables_are_exact_for_every_rope_type(kind):
     # the graph reads cos/sin from a table built once by the model's rotary module

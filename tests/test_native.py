@@ -157,7 +157,7 @@ def test_prefill_kernel_matches_dense_attention(dtype, D, kvh, g, extra):
 
 
 @prefill
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: SDPA where the CPU has AMX
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: tile products where the CPU has AMX
 def test_prefill_kernel_reads_only_each_chunks_own_slots(dtype):
     """Slots past a chunk's last position, and pages its sequence does not hold, are never read."""
     q, kc, vc, tables, flat, offsets, starts, lens = _prefill_case(dtype, 64, 3, 3, seed=6)

@@ -71,9 +71,13 @@ class ModelRunner:
         and (scheduled seq, first position, logits) of the prompt positions that want logprobs."""
         if out.swap_out[0]:
             self.cache.swap_out(*out.swap_out)
-        if out.new_pages:
+        if out.new_pages and not self.native_decode:
             # A reused page still holds its last owner's K/V. Masked slots get zero weight, but
-            # a non-finite leftover (an fp16 overflow) would still turn 0 * inf into NaN.
+            # a non-finite leftover (an fp16 overflow) would still turn 0 * inf into NaN in the
+            # torch decode path's products over whole pages. The native kernels read no slot
+            # past a sequence's context (tests/test_native.py), nor do the prefill paths (they
+            # cut gathered pages at it), so with them the pages stay as they are: zeroing them
+            # took 6 ms of a 2,048-token SmolLM2 bf16 step.
             self.cache.clear(out.new_pages)
         if out.swap_in[0]:
             self.cache.swap_in(*out.swap_in)

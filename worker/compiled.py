@@ -326,15 +326,18 @@ def warm_up(fwd: CompiledForward, model: nn.Module, eager: nn.Module, shape: dic
     # cpp.vec_isa_ok: Inductor otherwise builds and loads a test program for each vector ISA
     # the CPU reports, in every process (1.4 s of each start); where the native kernels built
     # with -march=native, this compiler already handles this CPU's instruction sets.
-    # cpp_wrapper: the graph's calls (30 layers x a dozen kernels and GEMMs for SmolLM2) made
-    # from C++ rather than from a Python wrapper, which spent about 5 ms of every step (a
-    # SmolLM2 bf16 decode step at 64 sequences 74 -> 71.5 ms, at 1 sequence 22 -> 20.7).
+    # cpp_wrapper (CPU): the graph's calls (30 layers x a dozen kernels and GEMMs for SmolLM2)
+    # made from C++ rather than from a Python wrapper, which spent about 5 ms of every step (a
+    # SmolLM2 bf16 decode step at 64 sequences 74 -> 71.5 ms, at 1 sequence 22 -> 20.7). Not
+    # on CUDA, where it was never measured and CUDA graphs are meant to take that cost away
+    # (docs/cuda.md).
     # cpp_wrapper_build_separate: the kernels compiled apart from the wrapper, so Inductor's
     # cache keeps them; the wrapper itself names the frozen weights' addresses and is built
     # again at every start (3.5 s for SmolLM2 this way, 9 s as one file with the kernels).
     isa_ok = True if native.load() is not None else None
-    with inductor_config.patch(freezing=True, emulate_precision_casts=True, cpp_wrapper=True,
-                               cpp_wrapper_build_separate=True,
+    on_cpu = torch.device(device).type == "cpu"
+    with inductor_config.patch(freezing=True, emulate_precision_casts=True, cpp_wrapper=on_cpu,
+                               cpp_wrapper_build_separate=on_cpu,
                                **{"cpp.dynamic_threads": True, "cpp.vec_isa_ok": isa_ok}):
         got = steps(ModelRunner(None, cache, *kernels, compiled=fwd), prompts)
         steps(ModelRunner(None, cache, *kernels, compiled=fwd), prompts[:1])  # T = 1 (padded)

@@ -88,13 +88,19 @@ def test_leftovers_in_reused_pages_change_nothing(llama32):
     """With the native kernels the runner does not zero a page it hands out again: nothing
     reads a slot past a sequence's context. A pool full of NaN and inf from the start, its pages
     reused many times over (a few pages for the whole workload), gives the same tokens."""
-    cfg = dict(ENGINE, num_pages=48)
-    clean = drive(make_engine(llama32, **cfg), _shapes_workload(seed=2))
+    rng = random.Random(2)
+    arrivals = {step: [(f"r{step}-{i}", [rng.randrange(3, 500) for _ in range(rng.randint(5, 60))],
+                        SamplingParams(max_tokens=rng.randint(4, 20), temperature=0, ignore_eos=True))
+                       for i in range(8)] for step in (0, 12, 24, 36)}
+    cfg = dict(ENGINE, num_pages=32)  # 256 slots for 32 requests of up to 80 tokens
+    clean = drive(make_engine(llama32, **cfg), arrivals)
     engine = make_engine(llama32, **cfg)
     assert engine.runner.native_decode, "the native kernels did not load"
     engine.runner.cache.k.fill_(float("nan"))
     engine.runner.cache.v.fill_(float("inf"))
-    dirty = drive(engine, _shapes_workload(seed=2))
+    dirty = drive(engine, arrivals)
+    needed = sum(-(-(len(p) + sp.max_tokens) // cfg["page_size"]) for reqs in arrivals.values() for _, p, sp in reqs)
+    assert needed > 2 * cfg["num_pages"]  # every page is handed out again, some several times
     for rid in clean.added:
         got = [t for o in dirty.outputs[rid] for t in o.new_token_ids]
         assert got == [t for o in clean.outputs[rid] for t in o.new_token_ids], rid

@@ -960,8 +960,8 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const
 // for their product with V (as torch's flash attention does for bf16), their sum is not. Keys
 // and values are repacked once per call into the pairs layout tile products read: K as D/2 x 16
 // words per 16 keys, V as 16 x 16 words per 32 keys and 16 columns (word = 2 bf16 of adjacent
-// d, resp. adjacent keys). torch's SDPA (AMX too) on the same chunks, each gathered out of the
-// pool first: ~210 GFLOP/s on a SmolLM2 bf16 run (2 cores).
+// d, resp. adjacent keys). A SmolLM2 layer's 2,461-token prefill in 8 chunks (2 cores): 2.8 ms,
+// 400 GFLOP/s; torch's SDPA (AMX too, each chunk gathered out of the pool first) 4.9 ms, 230.
 
 // Linux hands a thread AMX's tile registers only once the process has asked for them.
 bool amx_ready() {

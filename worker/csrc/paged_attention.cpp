@@ -769,6 +769,14 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
 #if defined(__AVX512F__)
 // ---------------------------------------------------------------------------- prefill
 
+// Lanes of the keys b0 .. b0 + 15 that a row at position pos attends: first <= key <= pos.
+inline __mmask16 key_lanes(int64_t b0, int64_t first, int64_t pos) {
+  __mmask16 vm = 0xFFFF;
+  if (b0 + 15 > pos) vm = pos >= b0 ? __mmask16((1u << (pos - b0 + 1)) - 1) : 0;
+  if (b0 < first) vm &= first - b0 >= 16 ? 0 : __mmask16(~((1u << (first - b0)) - 1));
+  return vm;
+}
+
 // Prefill chunks: each chunk's query rows (positions start .. start + len - 1 of its
 // sequence) against the sequence's slots 0 .. its own position, read from the pool in place
 // (the chunk's own keys and values were written by write_kv before). Causal, with the
@@ -870,9 +878,7 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const
           __m512 mxv = _mm512_set1_ps(NEG);
           for (int z = 0; z < BK / 16; ++z) {
             const int64_t b0 = k0 + 16 * z;
-            __mmask16 vm = 0xFFFF;
-            if (b0 + 15 > pos) vm = pos >= b0 ? __mmask16((1u << (pos - b0 + 1)) - 1) : 0;
-            if (b0 < first) vm &= first - b0 >= 16 ? 0 : __mmask16(~((1u << (first - b0)) - 1));
+            const __mmask16 vm = key_lanes(b0, first, pos);
             valid[z] = vm;
             mxv = _mm512_mask_max_ps(mxv, vm, mxv, _mm512_loadu_ps(S.data() + row * BK + 16 * z));
           }
@@ -1034,6 +1040,7 @@ void prefill_amx(const at::BFloat16* q, int64_t qs0, int64_t qs1, int64_t H, con
     }
   });
   const float NEG = -std::numeric_limits<float>::infinity();
+  const __m512 vs = _mm512_set1_ps(scale);
   at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
     const TileConfig cfg;
     _tile_loadconfig(&cfg);
@@ -1068,7 +1075,6 @@ void prefill_amx(const at::BFloat16* q, int64_t qs0, int64_t qs1, int64_t H, con
           }
           _tile_stored(0, S, AK * 4);
           _tile_stored(1, S + 16, AK * 4);
-          const __m512 vs = _mm512_set1_ps(scale);
           for (int64_t i = 0; i < nq; ++i) {
             const int64_t pos = it.p0 + i, first = window > 0 ? pos - window + 1 : 0;
             __mmask16 valid[2];
@@ -1076,9 +1082,7 @@ void prefill_amx(const at::BFloat16* q, int64_t qs0, int64_t qs1, int64_t H, con
             __m512 mxv = _mm512_set1_ps(NEG);
             for (int z = 0; z < 2; ++z) {
               const int64_t b0 = k0 + 16 * z;
-              __mmask16 vm = 0xFFFF;
-              if (b0 + 15 > pos) vm = pos >= b0 ? __mmask16((1u << (pos - b0 + 1)) - 1) : 0;
-              if (b0 < first) vm &= first - b0 >= 16 ? 0 : __mmask16(~((1u << (first - b0)) - 1));
+              const __mmask16 vm = key_lanes(b0, first, pos);
               valid[z] = vm;
               s[z] = _mm512_mul_ps(_mm512_loadu_ps(S + i * AK + 16 * z), vs);
               mxv = _mm512_mask_max_ps(mxv, vm, mxv, s[z]);

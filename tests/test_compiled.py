@@ -8,6 +8,7 @@ after warm-up, whatever the step's shape, and when it is not used.
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 
@@ -131,6 +132,31 @@ def test_engines_on_one_model_share_the_graph(llama32):
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     assert c.generate(prompts, params) == a.generate(prompts, params)
+
+
+def test_float32_linears_run_through_mkl_packed_weights_freed_with_the_graph():
+    """float32 on CPU: the decoder's four linears a layer go through MKL's packed SGEMM
+    (worker/csrc/packed_gemm.cpp; its exactness is the graph's, tested above and in
+    test_fastpath); the packed copies are released with the decoder that made them."""
+    from worker import native
+
+    if not native.packed_gemm_usable():
+        pytest.skip("this torch has no MKL")
+    model = tiny_model("llama", dtype=torch.float32, seed=11)
+    fwd = compiled.CompiledForward(model, 64, model.get_output_embeddings(), native_attention=True)
+    layer = fwd.decoder.layers[0]
+    handles = [h for L in fwd.decoder.layers for h in L.handles()]
+    assert fwd.packed and len(handles) == 4 * len(fwd.decoder.layers) and layer.qkv_w is None
+    x = torch.randn(5, model.config.hidden_size)
+    at = model.model.layers[0].self_attn
+    want = torch.cat([at.q_proj(x), at.k_proj(x), at.v_proj(x)], -1)
+    assert torch.allclose(torch.ops.tokenq_native.sgemm_packed(x, layer.qkv_h), want, atol=1e-5)
+    del fwd, layer
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no packed weight"):
+        torch.ops.tokenq_native.sgemm_packed(x, handles[0])
+    bf16 = tiny_model("llama", dtype=torch.bfloat16, seed=11)
+    assert not compiled.CompiledForward(bf16, 64, bf16.get_output_embeddings(), native_attention=True).packed
 
 
 def test_rope_table_length():

@@ -229,3 +229,33 @@ def test_a_build_killed_midway_does_not_block_the_next_start():
                           cwd=root, capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "True", done.stderr[-2000:]
     assert not stale.exists()
+
+
+@pytest.mark.skipif(not native.packed_gemm_usable(), reason="this torch has no MKL")
+def test_packed_sgemm_serves_every_row_count():
+    """MKL packs a weight for one row count (worker/csrc/packed_gemm.cpp packs for 64); the
+    compiled forward runs it at every step's row count, so each must give x @ w.T."""
+    gen = torch.Generator().manual_seed(0)
+    for K, N in ((64, 96), (576, 960), (1536, 576)):
+        w = torch.randn(N, K, generator=gen)
+        handle = native.sgemm_pack(w)
+        try:
+            for M in (0, 1, 2, 7, 63, 64, 65, 300, 2048):
+                x = torch.randn(M, K, generator=gen)
+                y = torch.ops.tokenq_native.sgemm_packed(x, handle)
+                want = x.double() @ w.double().T
+                assert y.shape == (M, N) and y.dtype == torch.float32
+                if M:  # float32 sums of K products: within F.linear's own distance of float64
+                    lin = (torch.nn.functional.linear(x, w).double() - want).abs().max().item()
+                    assert (y.double() - want).abs().max().item() <= max(2 * lin, 1e-5 * K ** 0.5)
+            # a strided view is read as its values
+            x = torch.randn(K, 9, generator=gen).T
+            assert torch.allclose(torch.ops.tokenq_native.sgemm_packed(x, handle), x @ w.T, atol=1e-4)
+        finally:
+            native.sgemm_release(handle)
+        with pytest.raises(RuntimeError, match="no packed weight"):
+            torch.ops.tokenq_native.sgemm_packed(torch.randn(2, K), handle)
+    handle = native.sgemm_pack(torch.randn(8, 16))
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 16\] float32"):
+        torch.ops.tokenq_native.sgemm_packed(torch.randn(2, 17), handle)
+    native.sgemm_release(handle)

@@ -6,7 +6,8 @@ layer, 15-35 us each in bfloat16 on a CPU, more time than the layer's GEMMs at d
 sizes. Here the same computation is written once as plain tensor code over the model's
 weights and compiled whole by Inductor, which fuses those ops into a few loops, packs the
 frozen weights for oneDNN and merges nothing the code does not merge itself (q/k/v and
-gate/up are concatenated here).
+gate/up are concatenated here). In float32 on CPU the linears are packed for MKL's SGEMM
+instead (worker/csrc/packed_gemm.cpp), the faster kernel at decode row counts.
 
 One graph serves every step:
 
@@ -93,9 +94,11 @@ def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class _Layer(nn.Module):
-    """One decoder layer's weights: q/k/v and gate/up concatenated (one GEMM each)."""
+    """One decoder layer's weights: q/k/v and gate/up concatenated (one GEMM each). With
+    ``packed``, the four weights are packed for MKL (worker/csrc/packed_gemm.cpp) and the graph
+    names them by handle (``*_h``; None: F.linear on the weight, which Inductor packs for oneDNN)."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, packed: bool = False):
         super().__init__()
         at, mlp = layer.self_attn, layer.mlp
         self.q_size = at.q_proj.out_features
@@ -117,6 +120,21 @@ class _Layer(nn.Module):
         self.k_norm = None if kn is None else _param(kn.weight)
         self.norm_eps = None if qn is None else qn.variance_epsilon
         self.act = mlp.act_fn
+        self.qkv_h = self.o_h = self.gate_up_h = self.down_h = None
+        if packed:
+            self.qkv_h, self.o_h = native.sgemm_pack(self.qkv_w), native.sgemm_pack(self.o_w)
+            self.gate_up_h, self.down_h = native.sgemm_pack(self.gate_up_w), native.sgemm_pack(self.down_w)
+            self.qkv_w = self.gate_up_w = None  # the concatenated copies (o and down share the model's)
+
+    def handles(self) -> list[int]:
+        return [h for h in (self.qkv_h, self.o_h, self.gate_up_h, self.down_h) if h is not None]
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, handle: int | None) -> torch.Tensor:
+    if handle is None:
+        return F.linear(x, w, b)
+    y = torch.ops.tokenq_native.sgemm_packed(x, handle)
+    return y if b is None else y + b
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -136,12 +154,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class Decoder(nn.Module):
     """The decoder up to the final norm: ids [T], positions [T] -> hidden states [T, hidden]."""
 
-    def __init__(self, model: nn.Module, max_len: int, attend):
+    def __init__(self, model: nn.Module, max_len: int, attend, packed: bool = False):
         super().__init__()
         self.attend = attend  # the attention op: tokenq_native::attend or tokenq::paged_attention
         inner = model.model
         self.embed = _param(inner.embed_tokens.weight)
-        self.layers = nn.ModuleList(_Layer(layer) for layer in inner.layers)
+        self.layers = nn.ModuleList(_Layer(layer, packed) for layer in inner.layers)
+        handles = [h for L in self.layers for h in L.handles()]
+        if handles:  # MKL's packed copies live in the native library until the decoder goes
+            weakref.finalize(self, _release, handles)
         self.norm = _param(inner.norm.weight)
         self.eps = inner.norm.variance_epsilon
         dtype = self.embed.dtype
@@ -162,7 +183,7 @@ class Decoder(nn.Module):
         for i, L in enumerate(self.layers):
             residual = h if residual is None else residual + h
             x = _rms_norm(residual, L.ln1, L.eps)
-            qkv = F.linear(x, L.qkv_w, L.qkv_b)
+            qkv = _linear(x, L.qkv_w, L.qkv_b, L.qkv_h)
             q, k, v = qkv.split([L.q_size, L.kv_size, L.kv_size], dim=-1)
             q = q.reshape(q.shape[0], -1, L.head_dim)
             k = k.reshape(k.shape[0], -1, L.head_dim)
@@ -171,12 +192,17 @@ class Decoder(nn.Module):
                 q, k = _rms_norm(q, L.q_norm, L.norm_eps), _rms_norm(k, L.k_norm, L.norm_eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             a = self.attend(q, k, v, i)
-            h = F.linear(a, L.o_w, L.o_b)
+            h = _linear(a, L.o_w, L.o_b, L.o_h)
             residual = residual + h
             x = _rms_norm(residual, L.ln2, L.eps)
-            gate, up = F.linear(x, L.gate_up_w, L.gate_up_b).chunk(2, dim=-1)
-            h = F.linear(L.act(gate) * up, L.down_w, L.down_b)
+            gate, up = _linear(x, L.gate_up_w, L.gate_up_b, L.gate_up_h).chunk(2, dim=-1)
+            h = _linear(L.act(gate) * up, L.down_w, L.down_b, L.down_h)
         return _rms_norm(residual + h, self.norm, self.eps)
+
+
+def _release(handles: list[int]) -> None:
+    for h in handles:
+        native.sgemm_release(h)
 
 
 def why_not(model: nn.Module, device: torch.device) -> str | None:
@@ -223,7 +249,11 @@ class CompiledForward:
         self.scales = [float(sc) for sc, _, _ in self.specs]
         self.windows = [int(w or 0) for _, w, _ in self.specs]
         attend = torch.ops.tokenq_native.attend if native_attention else torch.ops.tokenq.paged_attention
-        self.decoder = Decoder(model, max_len, attend).eval()
+        # float32 on CPU: the linears through MKL's packed SGEMM (worker/csrc/packed_gemm.cpp),
+        # faster than Inductor's oneDNN packing at decode row counts
+        w = next(model.parameters())
+        self.packed = w.dtype == torch.float32 and w.device.type == "cpu" and native.packed_gemm_usable()
+        self.decoder = Decoder(model, max_len, attend, self.packed).eval()
         self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
         # Each decoder is its own graph (its weights are frozen into it; Dynamo guards on the
         # instance), but all share Decoder.forward's code object, whose cache Dynamo caps at

@@ -1,4 +1,5 @@
-"""The engine's native CPU kernels: paged attention (worker/csrc/paged_attention.cpp).
+"""The engine's native CPU kernels: paged attention (worker/csrc/paged_attention.cpp) and the
+compiled forward's float32 linears (worker/csrc/packed_gemm.cpp).
 
 Decode attention is a few tiny products per page and sequence; through torch ops that is
 hundreds of small bmm calls and a segmented softmax a layer, and in bfloat16 (whose small
@@ -37,7 +38,8 @@ import torch
 
 log = logging.getLogger("tokenq.native")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+# paged attention, and float32 linears through MKL's packed SGEMM (the compiled forward's)
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "packed_gemm.cpp")]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _lock = threading.Lock()
@@ -57,8 +59,9 @@ def _cpu_key() -> str:
 
 
 def _name() -> str:
-    key = hashlib.sha1(SOURCE.read_bytes() + _cpu_key().encode() + torch.__version__.encode()).hexdigest()[:12]
-    return f"tokenq_paged_attention_{key}"
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha1(sources + _cpu_key().encode() + torch.__version__.encode()).hexdigest()[:12]
+    return f"tokenq_native_{key}"
 
 
 def build_directory() -> str:
@@ -106,7 +109,7 @@ def load():
                     # the source's end
                     cpp_extension.load(
                         name=name,
-                        sources=[str(SOURCE)],
+                        sources=[str(path) for path in SOURCES],
                         extra_cflags=["-O3", "-march=native", "-fopenmp"],
                         extra_ldflags=["-fopenmp"],
                         build_directory=build_dir,
@@ -167,3 +170,18 @@ def write_kv(k, v, kc, vc, pages, offs) -> None:
 
 _EMPTY = torch.empty(0)
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)
+
+
+def packed_gemm_usable() -> bool:
+    """Whether float32 linears can run through MKL's packed SGEMM here (worker/csrc/packed_gemm.cpp)."""
+    return load() is not None and bool(_module.sgemm_supported())
+
+
+def sgemm_pack(w: torch.Tensor) -> int:
+    """A handle to ``w`` [N, K] (float32) packed for MKL; free it with sgemm_release."""
+    return int(_module.sgemm_pack(w))
+
+
+def sgemm_release(handle: int) -> None:
+    if _module is not None:
+        _module.sgemm_release(handle)

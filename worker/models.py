@@ -26,8 +26,6 @@ TESTED_FAMILIES = (
 _BYPASS = "its attention does not go through transformers' attention interface (it would attend across the packed row)"
 _RECURRENT = "it has recurrent/linear-attention layers that would scan the packed row as one sequence"
 REFUSED_FAMILIES = {
-    # up to transformers 5.24 its attention bypassed the interface; from 5.25 it goes through it,
-    # but falcon's parity (multi-query, parallel attention) is not tested here yet
     "falcon": "falcon's attention bypasses transformers' attention interface up to transformers 5.24, and its "
               "parity with generate through tokenq is not tested on later versions",
     "bloom": _BYPASS, "mpt": _BYPASS, "gpt_neo": _BYPASS,

@@ -136,14 +136,17 @@ def test_engines_on_one_model_share_the_graph(llama32):
 
 def test_float32_linears_run_through_mkl_packed_weights_freed_with_the_graph():
     """float32 on CPU: the decoder's four linears a layer go through MKL's packed SGEMM
-    (worker/csrc/packed_gemm.cpp; its exactness is the graph's, tested above and in
-    test_fastpath); the packed copies are released with the decoder that made them."""
+    (worker/csrc/packed_gemm.cpp) where asked, by default on Intel CPUs; the packed copies are
+    released with the decoder that made them, and its logits are the eager model's."""
     from worker import native
 
     if not native.packed_gemm_usable():
         pytest.skip("this torch has no MKL")
     model = tiny_model("llama", dtype=torch.float32, seed=11)
-    fwd = compiled.CompiledForward(model, 64, model.get_output_embeddings(), native_attention=True)
+    default = compiled.CompiledForward(model, 64, model.get_output_embeddings(), native_attention=True)
+    assert default.packed == native.packed_gemm_preferred()
+    del default
+    fwd = compiled.CompiledForward(model, 64, model.get_output_embeddings(), native_attention=True, packed=True)
     layer = fwd.decoder.layers[0]
     handles = [h for L in fwd.decoder.layers for h in L.handles()]
     assert fwd.packed and len(handles) == 4 * len(fwd.decoder.layers) and layer.qkv_w is None

@@ -90,16 +90,16 @@ def test_greedy_agreement_with_eager(fp32_models, family):
     assert len(ties) / N_REQUESTS <= MAX_TIE_RATE, f"{family}: near-tie rate {len(ties) / N_REQUESTS:.2%}"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_step_logits_match_eager(fp32_models, family):
-    model, _ = fp32_models[family]
-    prompts, params = _workload(seed=100 + FAMILIES.index(family), n=40)
+def _assert_step_logits_match_eager(model, seed: int):
+    """40 requests through the fast path and the eager one: the same tokens, and every step's
+    logits within LOGIT_TOL. Returns the fast engine."""
+    prompts, params = _workload(seed=seed, n=40)
     runs = []
     for on in (True, False):
         engine = make_engine(model, fast_path=on, **ENGINE)
         seen = _record_logits(engine)
-        runs.append((engine.generate(prompts, params), seen))
-    (fast, seen_fast), (eager, seen_eager) = runs
+        runs.append((engine, engine.generate(prompts, params), seen))
+    (fast_engine, fast, seen_fast), (_, eager, seen_eager) = runs
     assert fast == eager
     assert len(seen_fast) == len(seen_eager) > 5
     worst = 0.0
@@ -107,6 +107,26 @@ def test_step_logits_match_eager(fp32_models, family):
         assert ids_f == ids_e
         worst = max(worst, float((lf - le).abs().max()))
     assert worst <= LOGIT_TOL, worst
+    return fast_engine
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_step_logits_match_eager(fp32_models, family):
+    _assert_step_logits_match_eager(fp32_models[family][0], seed=100 + FAMILIES.index(family))
+
+
+def test_the_float32_linear_kernel_not_picked_here_matches_eager_too(fp32_models, monkeypatch):
+    """The compiled forward's float32 linears run through MKL's packed SGEMM on Intel CPUs and
+    oneDNN's packed linears elsewhere (worker/native.py: packed_gemm_preferred); the tests
+    above hold this machine's pick to eager, this one the other kernel."""
+    from worker import native
+
+    if not native.packed_gemm_usable():
+        pytest.skip("this torch has no MKL")
+    other = not native.packed_gemm_preferred()
+    monkeypatch.setattr(native, "packed_gemm_preferred", lambda: other)
+    engine = _assert_step_logits_match_eager(fp32_models["llama"][0], seed=150)
+    assert engine.runner.compiled.packed == other
 
 
 def test_callers_model_is_left_alone_and_weights_shared(fp32_models):

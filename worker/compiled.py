@@ -6,8 +6,8 @@ layer, 15-35 us each in bfloat16 on a CPU, more time than the layer's GEMMs at d
 sizes. Here the same computation is written once as plain tensor code over the model's
 weights and compiled whole by Inductor, which fuses those ops into a few loops, packs the
 frozen weights for oneDNN and merges nothing the code does not merge itself (q/k/v and
-gate/up are concatenated here). In float32 on CPU the linears are packed for MKL's SGEMM
-instead (worker/csrc/packed_gemm.cpp), the faster kernel at decode row counts.
+gate/up are concatenated here). In float32 on an Intel CPU the linears are packed for MKL's
+SGEMM instead (worker/csrc/packed_gemm.cpp), the faster kernel there at decode row counts.
 
 One graph serves every step:
 
@@ -236,7 +236,10 @@ class CompiledForward:
     """``forward(ids [T], positions [T], keep [S], meta) -> logits [S, vocab]``, through the
     compiled decoder and a packed LM head."""
 
-    def __init__(self, model: nn.Module, max_len: int, head: nn.Module, native_attention: bool):
+    def __init__(self, model: nn.Module, max_len: int, head: nn.Module, native_attention: bool,
+                 packed: bool | None = None):
+        """``packed``: float32 linears through MKL's packed SGEMM; by default where it is the
+        faster kernel (native.packed_gemm_preferred)."""
         config = model.config
         layers = model.model.layers
         windows = expected_windows(config, len(layers))
@@ -249,10 +252,12 @@ class CompiledForward:
         self.scales = [float(sc) for sc, _, _ in self.specs]
         self.windows = [int(w or 0) for _, w, _ in self.specs]
         attend = torch.ops.tokenq_native.attend if native_attention else torch.ops.tokenq.paged_attention
-        # float32 on CPU: the linears through MKL's packed SGEMM (worker/csrc/packed_gemm.cpp),
-        # faster than Inductor's oneDNN packing at decode row counts
+        # float32 on an Intel CPU: the linears through MKL's packed SGEMM (worker/csrc/
+        # packed_gemm.cpp), faster there than Inductor's oneDNN packing at decode row counts
         w = next(model.parameters())
-        self.packed = w.dtype == torch.float32 and w.device.type == "cpu" and native.packed_gemm_usable()
+        if packed is None:
+            packed = native.packed_gemm_preferred()
+        self.packed = w.dtype == torch.float32 and w.device.type == "cpu" and packed
         self.decoder = Decoder(model, max_len, attend, self.packed).eval()
         self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
         # Each decoder is its own graph (its weights are frozen into it; Dynamo guards on the
@@ -285,7 +290,7 @@ class CompiledForward:
         return self.head(h.index_select(0, keep))
 
 
-# model -> {RoPE table length: CompiledForward}: engines on the same model share one graph (it
+# model -> {(RoPE table length, attention kernels, MKL linears): CompiledForward}: engines on the same model share one graph (it
 # holds no per-engine state: the cache and layout come with each step)
 _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -309,18 +314,19 @@ def get(model: nn.Module, max_len: int, device: torch.device, eager: nn.Module, 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     length = table_len(max_len, max_exact_len(config))
     kernels = (native_decode, native_prefill)
+    packed = native.packed_gemm_preferred()
     known = _built.setdefault(model, {})
-    if (length, kernels) in known:
-        return known[length, kernels], "compiled earlier for this model"
+    if (length, kernels, packed) in known:
+        return known[length, kernels, packed], "compiled earlier for this model"
     dtype = next(model.parameters()).dtype
     try:
-        fwd = CompiledForward(model, length, eager.get_output_embeddings(), native_decode and native_prefill)
+        fwd = CompiledForward(model, length, eager.get_output_embeddings(), native_decode and native_prefill, packed)
         reason = warm_up(fwd, model, eager, shape, device, dtype, kernels)
     except Exception as e:  # noqa: BLE001 - a layout it cannot read, an op Inductor refuses: the eager fast path serves
         return None, f"it failed to build: {type(e).__name__}: {e}"
     if reason is not None:
         return None, reason
-    known[length, kernels] = fwd
+    known[length, kernels, packed] = fwd
     return fwd, f"compiled and checked in {fwd.compile_s:.1f} s"
 
 

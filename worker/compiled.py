@@ -290,8 +290,9 @@ class CompiledForward:
         return self.head(h.index_select(0, keep))
 
 
-# model -> {(RoPE table length, attention kernels, MKL linears): CompiledForward}: engines on the same model share one graph (it
-# holds no per-engine state: the cache and layout come with each step)
+# model -> {(RoPE table length, attention kernels, MKL linears): CompiledForward}: engines on
+# the same model share one graph (it holds no per-engine state: the cache and layout come with
+# each step)
 _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -314,11 +315,12 @@ def get(model: nn.Module, max_len: int, device: torch.device, eager: nn.Module, 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     length = table_len(max_len, max_exact_len(config))
     kernels = (native_decode, native_prefill)
-    packed = native.packed_gemm_preferred()
+    dtype = next(model.parameters()).dtype
+    # asked only in float32 on CPU: anywhere else it would build the CPU kernels for nothing
+    packed = dtype == torch.float32 and torch.device(device).type == "cpu" and native.packed_gemm_preferred()
     known = _built.setdefault(model, {})
     if (length, kernels, packed) in known:
         return known[length, kernels, packed], "compiled earlier for this model"
-    dtype = next(model.parameters()).dtype
     try:
         fwd = CompiledForward(model, length, eager.get_output_embeddings(), native_decode and native_prefill, packed)
         reason = warm_up(fwd, model, eager, shape, device, dtype, kernels)

@@ -238,8 +238,7 @@ class CompiledForward:
 
     def __init__(self, model: nn.Module, max_len: int, head: nn.Module, native_attention: bool,
                  packed: bool | None = None):
-        """``packed``: float32 linears through MKL's packed SGEMM; by default where it is the
-        faster kernel (native.packed_gemm_preferred)."""
+        """``packed``: float32 linears through MKL's packed SGEMM; by default as mkl_linears says."""
         config = model.config
         layers = model.model.layers
         windows = expected_windows(config, len(layers))
@@ -252,12 +251,7 @@ class CompiledForward:
         self.scales = [float(sc) for sc, _, _ in self.specs]
         self.windows = [int(w or 0) for _, w, _ in self.specs]
         attend = torch.ops.tokenq_native.attend if native_attention else torch.ops.tokenq.paged_attention
-        # float32 on an Intel CPU: the linears through MKL's packed SGEMM (worker/csrc/
-        # packed_gemm.cpp), faster there than Inductor's oneDNN packing at decode row counts
-        w = next(model.parameters())
-        if packed is None:
-            packed = native.packed_gemm_preferred()
-        self.packed = w.dtype == torch.float32 and w.device.type == "cpu" and packed
+        self.packed = mkl_linears(model) if packed is None else packed
         self.decoder = Decoder(model, max_len, attend, self.packed).eval()
         self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
         # Each decoder is its own graph (its weights are frozen into it; Dynamo guards on the
@@ -290,6 +284,14 @@ class CompiledForward:
         return self.head(h.index_select(0, keep))
 
 
+def mkl_linears(model: nn.Module) -> bool:
+    """Whether the decoder's linears go through MKL's packed SGEMM (worker/csrc/packed_gemm.cpp):
+    float32 on a CPU where it beats Inductor's oneDNN packing at decode row counts (an Intel
+    one). Asked only there: anywhere else the question would build the CPU kernels for nothing."""
+    w = next(model.parameters())
+    return w.dtype == torch.float32 and w.device.type == "cpu" and native.packed_gemm_preferred()
+
+
 # model -> {(RoPE table length, attention kernels, MKL linears): CompiledForward}: engines on
 # the same model share one graph (it holds no per-engine state: the cache and layout come with
 # each step)
@@ -316,8 +318,7 @@ def get(model: nn.Module, max_len: int, device: torch.device, eager: nn.Module, 
     length = table_len(max_len, max_exact_len(config))
     kernels = (native_decode, native_prefill)
     dtype = next(model.parameters()).dtype
-    # asked only in float32 on CPU: anywhere else it would build the CPU kernels for nothing
-    packed = dtype == torch.float32 and torch.device(device).type == "cpu" and native.packed_gemm_preferred()
+    packed = mkl_linears(model)
     known = _built.setdefault(model, {})
     if (length, kernels, packed) in known:
         return known[length, kernels, packed], "compiled earlier for this model"

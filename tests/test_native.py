@@ -231,6 +231,26 @@ def test_a_build_killed_midway_does_not_block_the_next_start():
     assert not stale.exists()
 
 
+def test_a_process_with_another_path_loads_the_build_without_rebuilding():
+    """A process started without the virtual environment's bin on PATH (a system ninja first,
+    of another version) must load the kernels built by one started with it, not build them
+    again (worker/native.py: the ``ninja`` package's binary builds, whatever PATH says)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    assert native.load() is not None
+    lib = Path(native.build_directory()) / f"{native._name()}.so"
+    before = lib.stat().st_mtime_ns
+    root = Path(__file__).resolve().parent.parent
+    for path in ("/usr/bin:/bin", str(Path(sys.executable).parent) + os.pathsep + "/usr/bin:/bin"):
+        done = subprocess.run([sys.executable, "-c", "from worker import native; print(native.load() is not None)"],
+                              cwd=root, capture_output=True, text=True, timeout=300, env={**os.environ, "PATH": path})
+        assert done.stdout.strip() == "True", done.stderr[-2000:]
+    assert lib.stat().st_mtime_ns == before
+
+
 @pytest.mark.skipif(not native.packed_gemm_usable(), reason="this torch has no MKL")
 def test_packed_sgemm_serves_every_row_count():
     """MKL packs a weight for one row count (worker/csrc/packed_gemm.cpp packs for 64); the

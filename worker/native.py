@@ -96,6 +96,29 @@ def _build_lock(build_dir: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _our_ninja():
+    """Torch's builder runs whichever ``ninja`` comes first on PATH, and ninja rebuilds everything
+    when the build log was written by another version (1.11 and 1.13 hash commands differently):
+    processes started with the virtual environment's bin on PATH and processes started without it
+    (a system ninja first) rebuilt the kernels in turn, 25-45 s each time, while every engine
+    start waited on the build lock. The ``ninja`` package (a dependency) is put first for the
+    build, so every process uses the same one."""
+    try:
+        import ninja
+
+        first = ninja.BIN_DIR
+    except (ImportError, AttributeError):  # no package: whatever PATH finds, as torch would
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = first + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
 def load():
     """The compiled module (None when it cannot be built here; ``error()`` says why)."""
     global _module, _error
@@ -109,7 +132,7 @@ def load():
                 from torch.utils import cpp_extension
 
                 name, build_dir = _name(), build_directory()
-                with _build_lock(build_dir):
+                with _build_lock(build_dir), _our_ninja():
                     # a library of torch ops (torch.ops.tokenq_native), not a Python module: see
                     # the source's end
                     cpp_extension.load(

@@ -11,7 +11,8 @@
 // A packed matrix must not move (MKL's note on cblas_sgemm_pack), so it never becomes a graph
 // constant that Inductor could copy: it lives here, named by an integer handle that the graph
 // carries, and is freed by sgemm_release when the compiled decoder that packed it goes away.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <dlfcn.h>

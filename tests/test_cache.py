@@ -148,3 +148,37 @@ def test_swap_round_trip_moves_only_the_named_pages():
     assert torch.equal(c.k[:, 5], k0[:, 1]) and torch.equal(c.v[:, 5], v0[:, 1])
     for p in (1, 2, 3, 4):
         assert not c.k[:, p].any() and not c.v[:, p].any()
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text.split("[")[1].split("]")[0]
+
+
+def _huge_kib(t: torch.Tensor) -> int:
+    """AnonHugePages (kB) of this process's mappings that overlap ``t``'s memory."""
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < end and start < hi
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
+def test_cpu_pools_lie_on_huge_pages():
+    """Decode attention reads pool pages anywhere in the pool; the pools ask Linux for huge
+    pages (worker/tuning.zeros_on_huge_pages), which it grants on request in 'madvise' mode."""
+    c = KVCache(num_layers=4, num_pages=2048, page_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                device=torch.device("cpu"))  # 64 MiB a pool: past malloc's mmap threshold, fresh memory
+    for pool in (c.k, c.v):
+        assert int(pool.abs().sum()) == 0
+        assert _huge_kib(pool) >= 2048

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from worker.tuning import zeros_on_huge_pages
+
 
 def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
@@ -158,8 +160,9 @@ class KVCache:
         host_pages: int = 0,
     ):
         shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        on_cpu = torch.device(device).type == "cpu"
+        zeros = (lambda: zeros_on_huge_pages(shape, dtype)) if on_cpu else (lambda: torch.zeros(shape, dtype=dtype, device=device))
+        self.k, self.v = zeros(), zeros()
         self.page_size = page_size
         self.num_pages = num_pages
         self.host_k = self.host_v = None

@@ -14,6 +14,15 @@ fresh memory that page-faults on first touch: a 25 MB ``index_select`` ran 2.5x 
 for it. Raising the mmap threshold and the trim threshold keeps freed blocks in the
 process for reuse. This costs nothing on other platforms (it does nothing there).
 
+Huge pages: decode attention reads each sequence's K and V one page of the pool at a time,
+pages anywhere in a pool of a GiB or more, so on 4 KiB memory pages nearly every cache page
+read is a TLB miss. Where Linux offers transparent huge pages only on request (``madvise``,
+a common default), the pools ask for them (:func:`zeros_on_huge_pages`). On the AVX2
+machine (float32, SmolLM2's shapes, 30 layers, 64 sequences of 200-350 tokens) the decode
+kernel alone took 8-16% less time (310 tokens: best 54 ms against 60-64); whole decode steps,
+two engines interleaved in one process: 16 sequences 71.6 against 79.9 ms (best of 3), 64
+sequences level (94.8 against 95.2, best of 6), where the step is mostly its GEMMs.
+
 Garbage collection: start-up (loading, compiling the forward) leaves millions of objects
 that live as long as the process, and every full collection walks them all: 0.3-0.4 s on
 a small model, the first one falling in the first steps served (a 0.44 s stall seen in a
@@ -29,11 +38,16 @@ import gc
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("tokenq.tuning")
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+MADV_HUGEPAGE = 14
 
 _done = False
 OPENMP_ENV = {"GOMP_SPINCOUNT": "3000"}
@@ -61,6 +75,27 @@ def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -
     ok = mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1
     ok = mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1 and ok
     return ok
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.zeros(shape, dtype=dtype)`` on the CPU, its memory advised as huge pages before
+    it is first touched (see above; where Linux has no such advice it is plain zeros)."""
+    import torch  # here, not above: set_openmp_env must run before torch loads
+
+    t = torch.empty(shape, dtype=dtype)
+    if sys.platform.startswith("linux") and t.numel():
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            madvise = libc.madvise
+            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            start = t.data_ptr()
+            aligned = (start + 4095) & ~4095  # madvise takes page-aligned addresses
+            end = start + t.numel() * t.element_size()
+            if end > aligned and madvise(aligned, end - aligned, MADV_HUGEPAGE) != 0:
+                log.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
+        except (OSError, AttributeError):
+            pass
+    return t.zero_()
 
 
 def tune_process() -> None:

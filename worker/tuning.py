@@ -60,15 +60,21 @@ def set_openmp_env() -> None:
         os.environ.setdefault(k, v)
 
 
+def _libc_function(name: str):
+    """glibc's ``name`` (None off Linux, or where the C library has no such function)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> bool:
     """Keep freed blocks up to ``mmap_threshold`` bytes in the heap and trim it only past
     ``trim_threshold`` free bytes (glibc only). Returns whether it applied."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
@@ -83,18 +89,14 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     import torch  # here, not above: set_openmp_env must run before torch loads
 
     t = torch.empty(shape, dtype=dtype)
-    if sys.platform.startswith("linux") and t.numel():
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            madvise = libc.madvise
-            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            start = t.data_ptr()
-            aligned = (start + 4095) & ~4095  # madvise takes page-aligned addresses
-            end = start + t.numel() * t.element_size()
-            if end > aligned and madvise(aligned, end - aligned, MADV_HUGEPAGE) != 0:
-                log.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
-        except (OSError, AttributeError):
-            pass
+    madvise = _libc_function("madvise")
+    if madvise is not None and t.numel():
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        start = t.data_ptr()
+        aligned = (start + 4095) & ~4095  # madvise takes page-aligned addresses
+        end = start + t.numel() * t.element_size()
+        if end > aligned and madvise(aligned, end - aligned, MADV_HUGEPAGE) != 0:
+            log.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
     return t.zero_()
 
 

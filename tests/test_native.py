@@ -67,7 +67,8 @@ def _case(dtype, D, kvh, g, seed, n=12, ps=16, pages=300):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("D,kvh,g", [(64, 3, 3), (128, 2, 1), (32, 1, 4), (256, 1, 2), (48, 2, 2)])  # 48: read at run time
+# 48: read at run time; (128, 1, 4): more query heads than the vector path holds on registers at once
+@pytest.mark.parametrize("D,kvh,g", [(64, 3, 3), (128, 2, 1), (32, 1, 4), (256, 1, 2), (48, 2, 2), (128, 1, 4)])
 @pytest.mark.parametrize("extra", ["plain", "window", "softcap", "sinks"])
 def test_kernel_matches_dense_attention(dtype, D, kvh, g, extra):
     q, kc, vc, tables, flat, offsets, ctx = _case(dtype, D, kvh, g, seed=D + g)
@@ -279,3 +280,26 @@ def test_packed_sgemm_serves_every_row_count():
     with pytest.raises(RuntimeError, match=r"x must be \[M, 16\] float32"):
         torch.ops.tokenq_native.sgemm_packed(torch.randn(2, 17), handle)
     native.sgemm_release(handle)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_picks_are_torchs(dtype):
+    """argmax_rows (worker/csrc/greedy.cpp) answers what max(dim).indices does, on the rows
+    where the two could part: ties (the first), -inf rows, NaN (the first), row ends that do
+    not fill a vector, one column."""
+    if not native.argmax_usable(torch.empty(0, 1, dtype=dtype)):
+        pytest.skip("no vector build here: the sampler keeps torch's max")
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 15, 16, 17, 33, 1000, 49152):
+        x = torch.randint(-4, 4, (40, n), generator=gen).to(dtype)  # small integers: many ties
+        x[1] = float("-inf")
+        x[2, n // 2] = float("nan")
+        x[3, -1], x[3, 0] = float("nan"), float("inf")
+        x[4] = torch.randn(n, generator=gen).to(dtype)
+        got = native.argmax_rows(x)
+        assert got.dtype == torch.long and torch.equal(got, x.max(dim=-1).indices), n
+        finite = torch.arange(40) >= 4
+        assert torch.equal(got[finite], x[finite].float().argmax(-1))
+    # a strided view is read as its values
+    x = torch.randn(64, 300, generator=gen).to(dtype).T
+    assert torch.equal(native.argmax_rows(x), x.max(dim=-1).indices)

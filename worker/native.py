@@ -1,5 +1,6 @@
-"""The engine's native CPU kernels: paged attention (worker/csrc/paged_attention.cpp) and the
-compiled forward's float32 linears (worker/csrc/packed_gemm.cpp).
+"""The engine's native CPU kernels: paged attention (worker/csrc/paged_attention.cpp), the
+compiled forward's float32 linears (worker/csrc/packed_gemm.cpp) and the sampler's greedy
+picks (worker/csrc/greedy.cpp).
 
 Decode attention is a few tiny products per page and sequence; through torch ops that is
 hundreds of small bmm calls and a segmented softmax a layer, and in bfloat16 (whose small
@@ -38,8 +39,8 @@ import torch
 
 log = logging.getLogger("tokenq.native")
 
-# paged attention, and float32 linears through MKL's packed SGEMM (the compiled forward's)
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "packed_gemm.cpp")]
+# paged attention, float32 linears through MKL's packed SGEMM (the compiled forward's), greedy picks
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "greedy.cpp")]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _lock = threading.Lock()
@@ -212,6 +213,26 @@ def packed_gemm_preferred() -> bool:
     (AVX2: decode steps at 64 / 16 / 1 sequences 220 / 114 / 63 ms against oneDNN's 193 / 76 /
     39; MKL's kernels there ran no faster than its unpacked SGEMM)."""
     return packed_gemm_usable() and "GenuineIntel" in (_cpuinfo("vendor_id") or "")
+
+
+def argmax_usable(logits: torch.Tensor) -> bool:
+    """Whether ``argmax_rows`` serves these logits (on a CPU, float32 or bf16, vector build).
+    Asked every step: the answer is kept per dtype."""
+    if logits.device.type != "cpu" or load() is None:
+        return False
+    ok = _argmax_dtypes.get(logits.dtype)
+    if ok is None:
+        ok = _argmax_dtypes[logits.dtype] = bool(_module.argmax_supported(logits.dtype))
+    return ok
+
+
+_argmax_dtypes: dict[torch.dtype, bool] = {}
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest value's index (a row with a NaN: its first NaN), as
+    ``logits.max(dim=-1).indices``; see worker/csrc/greedy.cpp."""
+    return _module.argmax_rows(logits)
 
 
 def sgemm_pack(w: torch.Tensor) -> int:

@@ -25,6 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(sys.executable).parent / "tokenq"
 
 
+def takes_ctrl_c() -> None:
+    """In the child before it runs: SIGINT as Ctrl-C. A test run started as a shell's background
+    job (``cmd &``) ignores SIGINT, every child inherits that, and Python then never turns it
+    into KeyboardInterrupt: the tests that interrupt a ``tokenq`` process waited in vain."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def tokenq_cmd() -> list[str]:
     """The installed console script (falls back to ``python -m producer.cli`` outside a venv)."""
     return [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "producer.cli"]
@@ -138,7 +145,8 @@ def test_submit_ctrl_c_cancels(redis_url, prefix, r):
     """Interrupting ``tokenq submit`` cancels the request and exits 130 (a real process and signal)."""
     env = {**os.environ, "TOKENQ_REDIS_URL": redis_url, "TOKENQ_PREFIX": prefix}
     p = subprocess.Popen([*tokenq_cmd(), "submit", "wait for me", "--id", "interrupted-1"], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         preexec_fn=takes_ctrl_c)
     wait_for(lambda: r.xlen(Keys(prefix).requests("normal")) == 1, 30, what="the request")
     time.sleep(0.2)
     p.send_signal(signal.SIGINT)
@@ -222,7 +230,7 @@ def test_status_watch_is_a_live_view(redis_url, prefix, r):
     env = {**os.environ, "TOKENQ_REDIS_URL": redis_url, "TOKENQ_PREFIX": prefix, "COLUMNS": "120",
            "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}  # rich redraws as on a terminal
     p = subprocess.Popen([*tokenq_cmd(), "status", "--watch", "--interval", "0.2"], env=env, cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=takes_ctrl_c)
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(iter(lambda: p.stdout.read(1), "")), daemon=True)
     reader.start()

@@ -785,14 +785,12 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
 #endif
 
   // bf16 with AMX: the scores as tile products (attend_amx), where pages hold whole tiles
-  bool tiles = false;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   decltype(&attend_amx<4>) amx = nullptr;
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (fcap <= 0 && ps % 16 == 0 && g <= 16 && amx_ready())
       amx = D == 32 ? attend_amx<2> : D == 64 ? attend_amx<4> : D == 128 ? attend_amx<8> : D == 256 ? attend_amx<16> : nullptr;
   }
-  tiles = amx != nullptr;
 #endif
 
   // per thread: the portable path's page of scores, or the vector path's scores of a whole sequence
@@ -802,9 +800,9 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
     std::vector<float> qf(g * D), acc(g * D), kf(std::max(ps * D, g)), vf(std::max<int64_t>(ps, 16) * D), s(g * sbuf),
         m(g), l(g);
     std::vector<uint16_t> qb(g * D);
-    std::vector<uint32_t> qv(tiles ? g * D / 2 : 0);
+    std::vector<uint32_t> qv(g * D / 2);  // the AMX path's query pairs
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    if (tiles) decode_tiles(g);
+    if (amx) decode_tiles(g);
 #endif
     for (int64_t item = bound[pb]; item < bound[pe]; ++item) {
       const int64_t i = item / kvh, h = item % kvh;
@@ -834,7 +832,7 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
       for (int64_t x = 0; x < g * D; ++x) dst[x] = T(acc[x]);
     }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    if (tiles) _tile_release();
+    if (amx) _tile_release();
 #endif
   });
 }
@@ -1068,12 +1066,8 @@ struct alignas(64) TileConfig {  // palette 1: eight tiles of 16 rows x 64 bytes
 // scored on vectors. Tiles: 0 scores, 1 keys, 2.. the query's D / 32 pair tiles (reloaded
 // when they do not fit).
 void decode_tiles(int64_t g) {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = t == 1 ? 64 : uint16_t(4 * g);
+  TileConfig cfg;  // 16 rows each; the scores' and the query's tiles g words wide
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = t == 1 ? 64 : uint16_t(4 * g);
   _tile_loadconfig(&cfg);
 }
 

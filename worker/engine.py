@@ -18,8 +18,10 @@ from common.protocol import SamplingParams
 from worker import (
     attention,
     compiled,
+    cuda_graphs,
     fallback,
     fastpath,
+    gpu_decode,
     logprobs,
     native,
     prefix_cache,
@@ -69,7 +71,12 @@ class Engine:
         if cfg.preemption_mode == "swap":
             host_pages = cfg.swap_pages if cfg.swap_pages is not None else num_pages
         probe.probe(model, mcfg, shape["num_layers"], num_kv, head_dim, cfg.page_size, self.device, self.dtype)
-        self.cache = KVCache(num_pages=num_pages, dtype=self.dtype, device=self.device, host_pages=host_pages, **shape)
+        # On CUDA, decodes attend through the GPU kernel, and the cache holds one page more than
+        # the allocator hands out: the scratch page that CUDA graphs' padding rows write to.
+        no_gpu = gpu_decode.why_not(self.device, self.dtype, head_dim, model) if cfg.fast_path else "the fast path is off"
+        scratch = 1 if no_gpu is None else 0
+        self.cache = KVCache(num_pages=num_pages + scratch, dtype=self.dtype, device=self.device, host_pages=host_pages,
+                             **shape)
         self.allocator = BlockAllocator(num_pages, cfg.page_size)
         host_alloc = BlockAllocator(host_pages, cfg.page_size) if host_pages else None
         model_len = max_exact_len(mcfg)
@@ -79,9 +86,13 @@ class Engine:
         fast = fastpath.forward_model(self.model, self.device, cfg.fast_path)
         native_prefill = native_decode and native.prefill_usable(self.device, self.dtype, head_dim)
         self.runner = ModelRunner(fast, self.cache, native_decode, native_prefill,
-                                  compiled=self._compile(fast, shape, native_decode, native_prefill))
+                                  compiled=self._compile(fast, shape, native_decode, native_prefill),
+                                  gpu_decode=no_gpu is None)
+        if self.device.type == "cuda":
+            self._capture(num_pages, no_gpu)
         log.info("decode attention: %s", "native kernel (worker/native.py)" if self.runner.native_decode else
-                 "torch ops" + (f" ({native.error()})" if native.error() else ""))
+                 "GPU kernel (worker/gpu_decode.py)" if self.runner.gpu_decode else
+                 "torch ops" + (f" ({no_gpu})" if self.device.type == "cuda" else f" ({native.error()})" if native.error() else ""))
         log.info("prefill attention: %s", "native kernel (worker/native.py)" if native_prefill else
                  "SDPA" + (f" ({native.error()})" if native.error() else
                            " (the native kernel covers float32/bf16, head sizes 32/64/128/256, on AVX-512 or AVX2)" if native_decode else ""))
@@ -105,12 +116,27 @@ class Engine:
             fwd, how = None, "the fast path is turned off"
         else:
             fwd, how = compiled.get(self.model, self.max_model_len, self.device, fast, shape, native_decode, native_prefill)
-        if fwd is not None:  # every decode batch size once, now rather than in the first steps served
+        if fwd is not None and self.device.type == "cpu":  # every decode batch size once, now rather than in the first steps served
             warm = compiled.warm_sizes(fwd, shape, self.device, self.dtype, (native_decode, native_prefill),
                                        range(1, self.config.max_num_seqs + 1))
             how += f"; {self.config.max_num_seqs} batch sizes run once in {warm:.1f} s" if warm else ""
         log.info("compiled forward: %s (%s)", "on" if fwd is not None else "off", how)
         return fwd
+
+    def _capture(self, scratch: int, no_gpu: str | None) -> None:
+        """CUDA graphs of the decode steps (worker/cuda_graphs.py), or why not (logged either way)."""
+        why = no_gpu or ("the compiled forward is off" if self.runner.compiled is None else None)
+        if why is None:
+            try:
+                width = -(-self.max_model_len // self.config.page_size)
+                graphs = cuda_graphs.DecodeGraphs(self.runner.compiled, self.cache, self.config.max_num_seqs, width, scratch)
+                self.runner.graphs = graphs
+                log.info("cuda graphs: on (%d decode batch sizes up to %d captured in %.1f s)", len(graphs.sizes),
+                         graphs.max, graphs.capture_s)
+                return
+            except Exception as e:  # noqa: BLE001 - decode steps run the compiled graph uncaptured
+                why = f"capture failed: {type(e).__name__}: {e}"
+        log.info("cuda graphs: off (%s)", why)
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> set[int]:

@@ -53,7 +53,7 @@ def _ints(values: list[int]) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: KVCache, native_decode: bool = False,
-                 native_prefill: bool = False, compiled=None):
+                 native_prefill: bool = False, compiled=None, gpu_decode: bool = False):
         self.model = model
         # the compiled forward (worker/compiled.py) when there is one; else the model is called
         self.compiled = compiled
@@ -64,6 +64,10 @@ class ModelRunner:
         self.native_decode = native_decode
         # prefill chunks through the native prefill kernel rather than SDPA
         self.native_prefill = native_prefill
+        # decode attention through the GPU kernel (worker/gpu_decode.py) rather than torch ops
+        self.gpu_decode = gpu_decode
+        # decode-only steps replayed as CUDA graphs (worker/cuda_graphs.py), set by the engine
+        self.graphs = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], list[tuple[ScheduledSeq, int, torch.Tensor]]]:
@@ -71,11 +75,11 @@ class ModelRunner:
         and (scheduled seq, first position, logits) of the prompt positions that want logprobs."""
         if out.swap_out[0]:
             self.cache.swap_out(*out.swap_out)
-        if out.new_pages and not self.native_decode:
+        if out.new_pages and not (self.native_decode or self.gpu_decode):
             # A reused page still holds its last owner's K/V. Masked slots get zero weight, but
             # a non-finite leftover (an fp16 overflow) would still turn 0 * inf into NaN in the
             # torch decode path's products over whole pages. The native kernels read no slot
-            # past a sequence's context (tests/test_native.py), nor do the prefill paths (they
+            # past a sequence's context (tests/test_native.py, tests/test_gpu_decode.py), nor do the prefill paths (they
             # cut gathered pages at it), so with them the pages stay as they are: zeroing them
             # took 6 ms of a 2,048-token SmolLM2 bf16 step.
             self.cache.clear(out.new_pages)
@@ -84,8 +88,12 @@ class ModelRunner:
         batch = sorted(out.scheduled, key=lambda s: s.num_tokens > 1)  # decodes first (stable)
         if not batch:
             return torch.empty(0, 0), [], []
-        meta, input_ids, positions, sample_rows = self._prepare(batch)
         extra, spans = self._prompt_rows(batch)
+        if self.graphs is not None and not extra and self.graphs.fits(batch):
+            h = self.graphs.run(batch)
+            keep = torch.tensor([i for i, s in enumerate(batch) if s.sample], dtype=torch.long, device=self.device)
+            return self.graphs.fwd.head(h.index_select(0, keep)), [s for s in batch if s.sample], []
+        meta, input_ids, positions, sample_rows = self._prepare(batch)
         keep = torch.cat([sample_rows, _ints(extra).to(self.device)]) if extra else sample_rows
         if self.compiled is not None:
             logits = self.compiled(input_ids, positions, keep, meta)
@@ -142,10 +150,13 @@ class ModelRunner:
         write_pages = torch.cat(wp)
         write_offs = positions % ps
 
+        tables = gpu = None
         if self.native_decode:
             dec, tables = self._decode_pages([], None), self._decode_tables(decodes, starts[:n_dec] + 1)
+        elif self.gpu_decode:
+            dec, gpu = self._decode_pages([], None), self._gpu_tables(decodes, dev)
         else:
-            dec, tables = self._decode_pages(decodes, starts[:n_dec] + 1), None
+            dec = self._decode_pages(decodes, starts[:n_dec] + 1)
         prefills = []
         a = n_dec
         for s in chunks:
@@ -155,7 +166,7 @@ class ModelRunner:
         pre_tables = self._prefill_tables(chunks) if self.native_prefill and chunks else None
         sample_rows = (ends - 1)[torch.tensor([s.sample for s in batch], dtype=torch.bool)]
         meta = StepMeta(self.cache.k, self.cache.v, write_pages.to(dev), write_offs.to(dev), n_dec, *dec[:5], prefills, dec[5],
-                        tables, pre_tables)
+                        tables, pre_tables, gpu)
         return meta, _ints(ids).to(dev), positions.to(dev), sample_rows.to(dev)
 
     def _decode_tables(self, decodes: list[ScheduledSeq], ctx: torch.Tensor):
@@ -164,6 +175,24 @@ class ModelRunner:
         tables = [s.seq.block_table for s in decodes]
         offsets = _ints([0, *itertools.accumulate(map(len, tables))])
         return _ints(list(itertools.chain.from_iterable(tables))), offsets, ctx
+
+    @staticmethod
+    def _gpu_tables(decodes: list[ScheduledSeq], dev, width: int | None = None, rows: int | None = None, pad: int = 0):
+        """The GPU kernel's view of the decodes: block tables [rows, width] (padded with ``pad``;
+        by default as many rows as decodes, as wide as the longest table) and the slots each
+        attends [rows] (padding rows: 1), on ``dev``."""
+        n = len(decodes)
+        counts = [len(s.seq.block_table) for s in decodes]
+        rows, width = rows or n, width or max(counts, default=1)
+        tables = torch.full((rows, width), pad, dtype=torch.int32)
+        if n:
+            c = _ints(counts)
+            row = torch.repeat_interleave(torch.arange(n), c)
+            col = torch.arange(len(row)) - torch.repeat_interleave(torch.cumsum(c, 0) - c, c)
+            tables[row, col] = _ints(list(itertools.chain.from_iterable(s.seq.block_table for s in decodes))).to(torch.int32)
+        ctx = torch.ones(rows, dtype=torch.int32)
+        ctx[:n] = _ints([s.start + 1 for s in decodes]).to(torch.int32)
+        return tables.to(dev), ctx.to(dev)
 
     @staticmethod
     def _prefill_tables(chunks: list[ScheduledSeq]):

@@ -39,10 +39,12 @@ matters most.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import math
 import os
+import pstats
 import random
 import statistics
 import sys
@@ -61,6 +63,7 @@ from worker.tuning import freeze_heap, set_openmp_env, tune_process  # noqa: E40
 set_openmp_env()  # the same OpenMP settings as the worker, for every system measured here
 import torch  # noqa: E402
 
+PROFILE: str | None = None  # --profile: the file where run_engine appends its cProfile summary
 ALL_SYSTEMS = ("engine", "engine-eager", "redis", "ideal", "hf-static", "hf-cb", "hf-single", "vllm")
 CONFIGS = {
     "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -216,7 +219,10 @@ def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs
     peak = (0, 0, 0)  # (allocated slots, used slots, running seqs) at the peak of allocation
     ps = page_size
     total = sum(o for _, o in workload)
+    prof = cProfile.Profile() if PROFILE else None
     with progress.bar(f"{config} {system}", total) as bar:
+        if prof is not None:
+            prof.enable()
         t0 = time.perf_counter()
         for rid, (p, o) in zip(ids, workload):
             eng.add_request(rid, p, SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
@@ -238,6 +244,12 @@ def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs
                     n += len(out.new_token_ids)
             steps.append((now - ts, acc["schedule"], acc["prepare"], n_sched, n))
             bar.update(n)
+    if prof is not None:
+        prof.disable()
+        with open(PROFILE, "a") as f:
+            f.write(f"\n#### {config} {system}: {len(steps)} steps in {time.perf_counter() - t0:.1f} s (profiled)\n")
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(60)
     for s, (_, o) in zip(stamps, workload):
         assert len(s) == o, f"engine produced {len(s)} tokens, wanted {o}"
     full = [st for st in steps if st[3] >= min(64, max_num_seqs, len(workload))]
@@ -595,6 +607,7 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (every system runs there)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--profile", metavar="FILE", help="run the engine under cProfile; append where its time went to FILE")
     ap.add_argument("--plot", metavar="FILE.png")
     ap.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     ap.add_argument("--no-progress", action="store_true")
@@ -615,7 +628,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    global PROFILE
     args = parse_args(argv)
+    PROFILE = args.profile
     tune_process()
     if args.threads:
         torch.set_num_threads(args.threads)

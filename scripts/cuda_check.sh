@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# The CUDA checks, as one prepared run on a machine with a GPU (about 7 minutes), the most
-# telling first, each stage with its own time limit (a stage that fails leaves the rest to run):
-#   1. tests/test_gpu_decode.py on the GPU: the Triton decode kernel against attention over the
+# The CUDA checks, as one prepared run on a machine with a GPU (about 9 minutes), the most
+# telling first, each stage with its own time limit (a stage that fails or is cut leaves the
+# rest to run; a caller with less time cuts the last ones):
+#   1. tests/test_gpu_attention.py on the GPU: the Triton kernels against attention over the
 #      pages, and an engine on CUDA (compiled forward, decode-only steps replayed as CUDA
 #      graphs) whose greedy output equals generate;
 #   2. the benchmark in bfloat16 on SmolLM2, 256 requests: tokenq's engine (its CUDA fast path)
-#      against the same engine with the fast path off, the ideal forward and HF static batching,
-#      with the GPU's GEMM peak and each system's MFU in the same table;
-#   3. the engine's start on CUDA (SmolLM2, bfloat16): compile, check and capture, at a first
+#      against the same engine with the fast path off and the ideal forward, with the GPU's GEMM
+#      peak and each system's MFU in the same table;
+#   3. the same engine run under cProfile: where its time goes (profile.txt);
+#   4. the engine's start on CUDA (SmolLM2, bfloat16): compile, check and capture, at a first
 #      start (an empty Inductor cache) and at a restart;
-#   4. greedy parity on the GPU: tiny Llama/Qwen2/Qwen3/Mistral in float64 (exact), and the
+#   5. greedy parity on the GPU: tiny Llama/Qwen2/Qwen3/Mistral in float64 (exact), and the
 #      real SmolLM2 in bfloat16 against generate, near ties allowed, where its weights are here;
-#   5. the benchmark on the small config, and a concurrency sweep on SmolLM2 (1 to 256 requests).
-# The design: docs/cuda.md. Results go to $OUT (default ./cuda-results): device.txt, tests.txt,
-# bench-smollm2.md/.json, engine-start.txt, parity.txt, bench-small.md/.json, bench.png.
+#   6. the benchmark on the small config with HF static batching, and a concurrency sweep on
+#      SmolLM2 (1, 16 and 256 requests).
+# The design and what was measured: docs/cuda.md. Results go to $OUT (default ./cuda-results):
+# device.txt, tests.txt, bench-smollm2.md/.json, profile.txt, engine-start.txt, parity.txt,
+# bench-small.md/.json, bench.png.
 #
 # On a GPU image whose python3 already has a CUDA torch (and Triton, transformers), that Python
 # is used as it is: nothing is installed from a registry. What it lacks may travel in
@@ -57,18 +61,22 @@ fi
 
 stage() { echo "== $1 ($(date +%T))"; }
 stage "1. tests on the GPU"
-timeout 150 $PY -m pytest -q -p no:cacheprovider -o addopts="" -ra tests/test_gpu_decode.py 2>&1 | tail -n 25 | tee "$OUT/tests.txt"
+timeout 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" -ra tests/test_gpu_attention.py 2>&1 | tail -n 25 | tee "$OUT/tests.txt"
 
-BENCH=(scripts/bench.py --device cuda --dtype bfloat16 --systems engine,engine-eager,ideal,hf-static --requests 256
-       --max-num-seqs 256 --max-num-batched-tokens 8192 --hf-batch 64 --no-progress)
+BENCH=(scripts/bench.py --device cuda --dtype bfloat16 --requests 256 --max-num-seqs 256 --max-num-batched-tokens 8192
+       --hf-batch 64 --no-progress)
 stage "2. benchmark, SmolLM2"
-timeout 170 $PY "${BENCH[@]}" --configs smollm2 --sweeps '' --json "$OUT/bench-smollm2.json" --plot "$OUT/bench.png" \
-  2>&1 | tee "$OUT/bench-smollm2.md"
+timeout 200 $PY "${BENCH[@]}" --configs smollm2 --systems engine,engine-eager,ideal --sweeps '' \
+  --json "$OUT/bench-smollm2.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench-smollm2.md"
 
-stage "3. engine start"
+stage "3. where the engine's time goes (cProfile, SmolLM2)"
+timeout 150 $PY "${BENCH[@]}" --configs smollm2 --systems engine --sweeps '' --profile "$OUT/profile.txt" > /dev/null 2>&1
+head -c 60000 "$OUT/profile.txt" | grep -E "^####|tottime" -A 22 | head -n 60
+
+stage "4. engine start"
 export TORCHINDUCTOR_CACHE_DIR=/tmp/tokenq-inductor-start  # empty at the first start, kept for the restart
 for run in first restart; do
-  timeout 60 $PY - <<'PY' 2>&1 | grep -E "compiled forward|cuda graphs|decode attention|forward:|started|Error" | sed "s/^/$run: /" | tee -a "$OUT/engine-start.txt"
+  timeout 90 $PY - <<'PY' 2>&1 | grep -E "compiled forward|cuda graphs|attention:|forward:|started|Error" | sed "s/^/$run: /" | tee -a "$OUT/engine-start.txt"
 import logging, time
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 t = time.time()
@@ -82,12 +90,12 @@ PY
 done
 unset TORCHINDUCTOR_CACHE_DIR
 
-stage "4. parity"
+stage "5. parity"
 PARITY=(--device cuda)
 [ "$REAL_SMOLLM2" = 1 ] && PARITY+=(--bf16)
 timeout 90 $PY scripts/bench_parity.py "${PARITY[@]}" 2>&1 | tee "$OUT/parity.txt"
 
-stage "5. benchmark, small; sweep on SmolLM2"
-timeout 150 $PY "${BENCH[@]}" --configs small --sweeps smollm2 --sweep-systems engine,ideal \
+stage "6. benchmark, small (with HF static batching); sweep on SmolLM2"
+timeout 150 $PY "${BENCH[@]}" --configs small --systems engine,ideal,hf-static --sweeps smollm2 --sweep-systems engine,ideal \
   --concurrency 1,16,256 --prompt-lens '' --json "$OUT/bench-small.json" 2>&1 | tee "$OUT/bench-small.md"
 stage "done"

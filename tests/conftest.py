@@ -16,8 +16,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # One math thread per process: tests run several processes (workers, clients) on 2 shared
 # cores, where torch's default of one thread per core oversubscribes and slows all of them.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Without a GPU, Triton kernels (worker/gpu_decode.py) run on the CPU through Triton's
-# interpreter (tests/test_gpu_decode.py). Triton reads this when it is imported: here, first.
+# Without a GPU, Triton kernels (worker/gpu_attention.py) run on the CPU through Triton's
+# interpreter (tests/test_gpu_attention.py). Triton reads this when it is imported: here, first.
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

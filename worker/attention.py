@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import transformers
 import transformers.masking_utils
 
-from worker import fallback, gpu_decode, native, shared_pages
+from worker import fallback, gpu_attention, native, shared_pages
 
 NAME = fallback.NAME
 # a list while the start-up probe records the attention calls (worker/probe.py)
@@ -44,16 +44,16 @@ class StepMeta:
 
     With the native kernel (worker/native.py), none of that: ``dec_tables`` holds the decodes'
     block tables, where each starts, and each one's context length, and the kernel walks
-    them; with the GPU kernel (worker/gpu_decode.py), ``dec_gpu`` holds them padded to one
-    width, with each one's context length. Likewise ``pre_tables`` for the native prefill kernel: the prefill chunks'
+    them; with the GPU kernels (worker/gpu_attention.py), ``dec_gpu`` holds them padded to one
+    width, with each one's context length, and ``pre_gpu`` the prefill chunks' likewise. Likewise ``pre_tables`` for the native prefill kernel: the prefill chunks'
     block tables, where each starts, each chunk's cached prefix and its length.
     """
 
     __slots__ = ("k", "v", "write_pages", "write_offs", "n_dec", "dec_src", "dec_spans", "dec_acc", "dec_qrow", "dec_pos",
-                 "dec_ctx", "prefills", "_masks", "dec_shared", "dec_tables", "pre_tables", "dec_gpu")
+                 "dec_ctx", "prefills", "_masks", "dec_shared", "dec_tables", "pre_tables", "dec_gpu", "pre_gpu")
 
     def __init__(self, k, v, write_pages, write_offs, n_dec, dec_src, dec_spans, dec_acc, dec_pos, dec_ctx, prefills,
-                 dec_shared=(), dec_tables=None, pre_tables=None, dec_gpu=None):
+                 dec_shared=(), dec_tables=None, pre_tables=None, dec_gpu=None, pre_gpu=None):
         self.k, self.v = k, v  # [layers, pages, kv_heads, page_size, head_dim]
         self.write_pages, self.write_offs = write_pages, write_offs  # [T] each
         self.n_dec = n_dec
@@ -68,7 +68,8 @@ class StepMeta:
         self.dec_shared = dec_shared  # [shared_pages.SharedGroup]
         self.dec_tables = dec_tables  # None, or (tables, offsets, ctx) for the native kernel
         self.pre_tables = pre_tables  # None, or (tables, offsets, starts, lens) for the native prefill kernel
-        self.dec_gpu = dec_gpu  # None, or (tables [n, width], ctx [n]) for the GPU kernel (worker/gpu_decode.py)
+        self.dec_gpu = dec_gpu  # None, or (tables [n, width], ctx [n]) for the GPU decode kernel (worker/gpu_attention.py)
+        self.pre_gpu = pre_gpu  # None, or (tables, starts, lens, rows, work) for the GPU prefill kernel
 
     def decode_bias(self, window: int | None, kvh: int, dtype: torch.dtype) -> torch.Tensor:
         """[Np * kvh, 1, page_size]: 0 where a decode page's slot is attended, -inf where not."""
@@ -140,14 +141,18 @@ def paged(layer: int, query, key, value, meta: StepMeta, scaling, window, softca
     if n and meta.dec_tables is not None:
         out[:n] = native.paged_decode(q_all[:n], kc, vc, *meta.dec_tables, scaling, window, softcap, sinks)
     elif n and meta.dec_gpu is not None:  # the engine takes this kernel only where it has no soft-cap or sinks
-        gpu_decode.paged_decode(q_all[:n], kc, vc, *meta.dec_gpu, scaling, window, out=out[:n])
+        gpu_attention.paged_decode(q_all[:n], kc, vc, *meta.dec_gpu, scaling, window, out=out[:n])
     elif n:
         out[:n] = _decode(q_all[:n], kc, vc, meta, window, scaling, softcap, sinks)
 
     # 3. Prefill chunks, each against its cached prefix plus itself: all in one call to the
-    #    native kernel (fast path, AVX-512 or AVX2; it has no soft-cap), else one SDPA call each.
+    #    native kernel (fast path, AVX-512 or AVX2; it has no soft-cap) or the GPU kernel, else
+    #    one SDPA call each.
     if meta.prefills and meta.pre_tables is not None and softcap is None:
         out[n:] = native.paged_prefill(q_all[n:], kc, vc, *meta.pre_tables, scaling, window, sinks)
+        return out.unsqueeze(0), None
+    if meta.prefills and meta.pre_gpu is not None:  # on CUDA: all chunks in one launch
+        gpu_attention.paged_prefill(q_all[n:], kc, vc, *meta.pre_gpu, scaling, window, out=out[n:])
         return out.unsqueeze(0), None
     for a, b, cached, pages in meta.prefills:
         q = query[:, :, a:b]

@@ -4,7 +4,7 @@ A decode step of n sequences launches the same few hundred kernels every time (S
 layers of GEMMs, fused elementwise loops and the attention kernel); on a GPU, launching them
 from Python costs more than running them at small batches. Each step is therefore padded up
 to the next of a few sizes (``sizes``: 2, 4, 8, then every multiple of 8, as vLLM does), and
-each size's whole decoder, the attention kernel (worker/gpu_decode.py) included, is captured
+each size's whole decoder, the attention kernel (worker/gpu_attention.py) included, is captured
 once at start and replayed with new inputs.
 
 What a replay reads lives in static device buffers that each step overwrites (copied from the

@@ -21,7 +21,7 @@ from worker import (
     cuda_graphs,
     fallback,
     fastpath,
-    gpu_decode,
+    gpu_attention,
     logprobs,
     native,
     prefix_cache,
@@ -71,9 +71,9 @@ class Engine:
         if cfg.preemption_mode == "swap":
             host_pages = cfg.swap_pages if cfg.swap_pages is not None else num_pages
         probe.probe(model, mcfg, shape["num_layers"], num_kv, head_dim, cfg.page_size, self.device, self.dtype)
-        # On CUDA, decodes attend through the GPU kernel, and the cache holds one page more than
+        # On CUDA, attention runs through the GPU kernels, and the cache holds one page more than
         # the allocator hands out: the scratch page that CUDA graphs' padding rows write to.
-        no_gpu = gpu_decode.why_not(self.device, self.dtype, head_dim, model) if cfg.fast_path else "the fast path is off"
+        no_gpu = gpu_attention.why_not(self.device, self.dtype, head_dim, model) if cfg.fast_path else "the fast path is off"
         scratch = 1 if no_gpu is None else 0
         self.cache = KVCache(num_pages=num_pages + scratch, dtype=self.dtype, device=self.device, host_pages=host_pages,
                              **shape)
@@ -87,13 +87,14 @@ class Engine:
         native_prefill = native_decode and native.prefill_usable(self.device, self.dtype, head_dim)
         self.runner = ModelRunner(fast, self.cache, native_decode, native_prefill,
                                   compiled=self._compile(fast, shape, native_decode, native_prefill),
-                                  gpu_decode=no_gpu is None)
+                                  gpu_attention=no_gpu is None)
         if self.device.type == "cuda":
             self._capture(num_pages, no_gpu)
         log.info("decode attention: %s", "native kernel (worker/native.py)" if self.runner.native_decode else
-                 "GPU kernel (worker/gpu_decode.py)" if self.runner.gpu_decode else
+                 "GPU kernel (worker/gpu_attention.py)" if self.runner.gpu_attention else
                  "torch ops" + (f" ({no_gpu})" if self.device.type == "cuda" else f" ({native.error()})" if native.error() else ""))
         log.info("prefill attention: %s", "native kernel (worker/native.py)" if native_prefill else
+                 "GPU kernel (worker/gpu_attention.py)" if self.runner.gpu_attention else
                  "SDPA" + (f" ({native.error()})" if native.error() else
                            " (the native kernel covers float32/bf16, head sizes 32/64/128/256, on AVX-512 or AVX2)" if native_decode else ""))
         self.vocab_size = mcfg.vocab_size

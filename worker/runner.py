@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from worker import shared_pages
+from worker import gpu_attention, shared_pages
 from worker.attention import StepMeta
 from worker.cache import KVCache
 from worker.logprobs import prompt_span
@@ -53,7 +53,7 @@ def _ints(values: list[int]) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: KVCache, native_decode: bool = False,
-                 native_prefill: bool = False, compiled=None, gpu_decode: bool = False):
+                 native_prefill: bool = False, compiled=None, gpu_attention: bool = False):
         self.model = model
         # the compiled forward (worker/compiled.py) when there is one; else the model is called
         self.compiled = compiled
@@ -64,8 +64,8 @@ class ModelRunner:
         self.native_decode = native_decode
         # prefill chunks through the native prefill kernel rather than SDPA
         self.native_prefill = native_prefill
-        # decode attention through the GPU kernel (worker/gpu_decode.py) rather than torch ops
-        self.gpu_decode = gpu_decode
+        # decodes and prefill chunks through the GPU kernels (worker/gpu_attention.py), not torch ops
+        self.gpu_attention = gpu_attention
         # decode-only steps replayed as CUDA graphs (worker/cuda_graphs.py), set by the engine
         self.graphs = None
 
@@ -75,11 +75,11 @@ class ModelRunner:
         and (scheduled seq, first position, logits) of the prompt positions that want logprobs."""
         if out.swap_out[0]:
             self.cache.swap_out(*out.swap_out)
-        if out.new_pages and not (self.native_decode or self.gpu_decode):
+        if out.new_pages and not (self.native_decode or self.gpu_attention):
             # A reused page still holds its last owner's K/V. Masked slots get zero weight, but
             # a non-finite leftover (an fp16 overflow) would still turn 0 * inf into NaN in the
             # torch decode path's products over whole pages. The native kernels read no slot
-            # past a sequence's context (tests/test_native.py, tests/test_gpu_decode.py), nor do the prefill paths (they
+            # past a sequence's context (tests/test_native.py, tests/test_gpu_attention.py), nor do the prefill paths (they
             # cut gathered pages at it), so with them the pages stay as they are: zeroing them
             # took 6 ms of a 2,048-token SmolLM2 bf16 step.
             self.cache.clear(out.new_pages)
@@ -153,20 +153,21 @@ class ModelRunner:
         tables = gpu = None
         if self.native_decode:
             dec, tables = self._decode_pages([], None), self._decode_tables(decodes, starts[:n_dec] + 1)
-        elif self.gpu_decode:
+        elif self.gpu_attention:
             dec, gpu = self._decode_pages([], None), self._gpu_tables(decodes, dev)
         else:
             dec = self._decode_pages(decodes, starts[:n_dec] + 1)
         prefills = []
         a = n_dec
         for s in chunks:
-            pages = _ints(s.seq.block_table).to(dev) if s.start and not self.native_prefill else None
+            pages = _ints(s.seq.block_table).to(dev) if s.start and not (self.native_prefill or self.gpu_attention) else None
             prefills.append((a, a + s.num_tokens, s.start, pages))
             a += s.num_tokens
         pre_tables = self._prefill_tables(chunks) if self.native_prefill and chunks else None
+        pre_gpu = self._gpu_prefill_tables(chunks, dev) if self.gpu_attention and chunks else None
         sample_rows = (ends - 1)[torch.tensor([s.sample for s in batch], dtype=torch.bool)]
         meta = StepMeta(self.cache.k, self.cache.v, write_pages.to(dev), write_offs.to(dev), n_dec, *dec[:5], prefills, dec[5],
-                        tables, pre_tables, gpu)
+                        tables, pre_tables, gpu, pre_gpu)
         return meta, _ints(ids).to(dev), positions.to(dev), sample_rows.to(dev)
 
     def _decode_tables(self, decodes: list[ScheduledSeq], ctx: torch.Tensor):
@@ -177,22 +178,37 @@ class ModelRunner:
         return _ints(list(itertools.chain.from_iterable(tables))), offsets, ctx
 
     @staticmethod
-    def _gpu_tables(decodes: list[ScheduledSeq], dev, width: int | None = None, rows: int | None = None, pad: int = 0):
-        """The GPU kernel's view of the decodes: block tables [rows, width] (padded with ``pad``;
-        by default as many rows as decodes, as wide as the longest table) and the slots each
-        attends [rows] (padding rows: 1), on ``dev``."""
-        n = len(decodes)
-        counts = [len(s.seq.block_table) for s in decodes]
-        rows, width = rows or n, width or max(counts, default=1)
-        tables = torch.full((rows, width), pad, dtype=torch.int32)
+    def _padded(tables: list[list[int]], width: int | None = None, rows: int | None = None, pad: int = 0) -> torch.Tensor:
+        """Block tables as one int32 [rows, width] tensor, padded with ``pad`` (by default as many
+        rows as tables, as wide as the longest)."""
+        n = len(tables)
+        counts = [len(t) for t in tables]
+        out = torch.full((rows or n, width or max(counts, default=1)), pad, dtype=torch.int32)
         if n:
             c = _ints(counts)
             row = torch.repeat_interleave(torch.arange(n), c)
             col = torch.arange(len(row)) - torch.repeat_interleave(torch.cumsum(c, 0) - c, c)
-            tables[row, col] = _ints(list(itertools.chain.from_iterable(s.seq.block_table for s in decodes))).to(torch.int32)
-        ctx = torch.ones(rows, dtype=torch.int32)
-        ctx[:n] = _ints([s.start + 1 for s in decodes]).to(torch.int32)
+            out[row, col] = _ints(list(itertools.chain.from_iterable(tables))).to(torch.int32)
+        return out
+
+    @classmethod
+    def _gpu_tables(cls, decodes: list[ScheduledSeq], dev, width: int | None = None, rows: int | None = None, pad: int = 0):
+        """The GPU decode kernel's view of the decodes: block tables [rows, width] (see _padded) and
+        the slots each attends [rows] (padding rows: 1), on ``dev``."""
+        tables = cls._padded([s.seq.block_table for s in decodes], width, rows, pad)
+        ctx = torch.ones(tables.shape[0], dtype=torch.int32)
+        ctx[:len(decodes)] = _ints([s.start + 1 for s in decodes]).to(torch.int32)
         return tables.to(dev), ctx.to(dev)
+
+    @classmethod
+    def _gpu_prefill_tables(cls, chunks: list[ScheduledSeq], dev):
+        """The GPU prefill kernel's view of the chunks: block tables, each one's cached prefix,
+        length and first row among the step's prefill rows, and the kernel's (chunk, block) grid."""
+        lens = [s.num_tokens for s in chunks]
+        per_chunk = torch.tensor([[s.start for s in chunks], lens, list(itertools.accumulate([0] + lens[:-1]))],
+                                 dtype=torch.int32).to(dev)
+        work = torch.tensor(gpu_attention.work(lens), dtype=torch.int32).to(dev)
+        return cls._padded([s.seq.block_table for s in chunks]).to(dev), *per_chunk, work
 
     @staticmethod
     def _prefill_tables(chunks: list[ScheduledSeq]):

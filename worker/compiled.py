@@ -25,7 +25,8 @@ Exactness against the eager engine (same weights, same StepMeta, the same attent
 is tested in tests/test_fastpath.py (200 requests per family, step logits within 1e-4) and
 tests/test_compiled.py (every batch shape, no recompilation); only the order of floating-point
 operations inside fused loops and GEMMs differs. On CUDA (docs/cuda.md) the same graph is
-built, with Triton kernels and cuBLAS GEMMs; not measured yet. Families whose layers are not
+built, with Triton kernels and cuBLAS GEMMs, and its decode steps are replayed as CUDA graphs
+(worker/cuda_graphs.py: ``hidden`` is what they capture). Families whose layers are not
 the Llama shape and float64 run the eager fast path instead (``why_not``), said in one log line.
 """
 
@@ -371,8 +372,7 @@ def warm_up(fwd: CompiledForward, model: nn.Module, eager: nn.Module, shape: dic
     # cpp_wrapper (CPU): the graph's calls (30 layers x a dozen kernels and GEMMs for SmolLM2)
     # made from C++ rather than from a Python wrapper, which spent about 5 ms of every step (a
     # SmolLM2 bf16 decode step at 64 sequences 74 -> 71.5 ms, at 1 sequence 22 -> 20.7). Not
-    # on CUDA, where it was never measured and CUDA graphs are meant to take that cost away
-    # (docs/cuda.md).
+    # on CUDA, where CUDA graphs take that cost away from decode steps (docs/cuda.md).
     # cpp_wrapper_build_separate: the kernels compiled apart from the wrapper, so Inductor's
     # cache keeps them; the wrapper itself names the frozen weights' addresses and is built
     # again at every start (3.5 s for SmolLM2 this way, 9 s as one file with the kernels).

@@ -13,7 +13,7 @@ import pytest
 import torch
 from engine_helpers import drive, greedy, make_engine, model_pair, random_prompts, reference
 
-from worker import cuda_graphs, gpu_attention
+from worker import compiled, cuda_graphs, gpu_attention
 from worker.cache import KVCache
 
 # On a machine without a GPU, tests/conftest.py sets TRITON_INTERPRET=1: the kernel runs on CPU tensors.
@@ -183,6 +183,7 @@ def test_engine_on_cuda_replays_decode_graphs_and_matches_generate(caplog):
     with caplog.at_level(logging.INFO, logger="tokenq.engine"):
         engine = make_engine(model, page_size=8, num_pages=256, max_num_seqs=12, max_num_batched_tokens=96)
     assert engine.runner.graphs is not None and engine.runner.graphs.graphs, caplog.text
+    compiled_before = compiled.compile_count()
     rng = random.Random(2)
     prompts = random_prompts(rng, 20, (1, 60))
     arrivals: dict[int, list] = {}
@@ -190,5 +191,6 @@ def test_engine_on_cuda_replays_decode_graphs_and_matches_generate(caplog):
         arrivals.setdefault(3 * (i % 5), []).append((f"r{i}", p, greedy(rng.randint(2, 30))))
     run = drive(engine, arrivals)
     assert engine.runner.graphs.steps > 10
+    assert compiled.compile_count() == compiled_before  # prefill, mixed and captured steps: no recompile
     for i, p in enumerate(prompts):
         assert run.tokens(f"r{i}") == reference(ref, p, len(run.tokens(f"r{i}"))), i

@@ -44,9 +44,10 @@ class StepMeta:
 
     With the native kernel (worker/native.py), none of that: ``dec_tables`` holds the decodes'
     block tables, where each starts, and each one's context length, and the kernel walks
-    them; with the GPU kernels (worker/gpu_attention.py), ``dec_gpu`` holds them padded to one
-    width, with each one's context length, and ``pre_gpu`` the prefill chunks' likewise. Likewise ``pre_tables`` for the native prefill kernel: the prefill chunks'
-    block tables, where each starts, each chunk's cached prefix and its length.
+    them. Likewise ``pre_tables`` for the native prefill kernel: the prefill chunks' block
+    tables, where each starts, each chunk's cached prefix and its length. The GPU kernels
+    (worker/gpu_attention.py) take the same from ``dec_gpu`` and ``pre_gpu``, the tables
+    padded to one width.
     """
 
     __slots__ = ("k", "v", "write_pages", "write_offs", "n_dec", "dec_src", "dec_spans", "dec_acc", "dec_qrow", "dec_pos",

@@ -27,6 +27,7 @@ import torch
 
 from worker.attention import StepMeta
 from worker.cache import KVCache
+from worker.runner import ModelRunner, _ints
 
 
 def sizes(max_seqs: int) -> list[int]:
@@ -70,8 +71,6 @@ class DecodeGraphs:
     def _fill(self, nb: int, batch=()) -> None:
         """The buffers for a step of ``batch`` (decodes) padded to nb rows: built on the host,
         copied over (three copies)."""
-        from worker.runner import ModelRunner, _ints
-
         ps = self.cache.page_size
         n = len(batch)
         ids, pos = torch.zeros(nb, dtype=torch.long), torch.zeros(nb, dtype=torch.long)
@@ -111,8 +110,8 @@ class DecodeGraphs:
         self.graphs[nb] = (graph, out)
 
     def fits(self, batch) -> bool:
-        """Whether the step is decodes only, within the largest size."""
-        return len(batch) <= self.max and all(s.num_tokens == 1 for s in batch)
+        """Whether the step is decodes only, within the largest size and the tables' width."""
+        return len(batch) <= self.max and all(s.num_tokens == 1 and len(s.seq.block_table) <= self.width for s in batch)
 
     def run(self, batch) -> torch.Tensor:
         """The step's hidden states [len(batch), hidden] (decodes only; see fits)."""

@@ -78,10 +78,10 @@ class ModelRunner:
         if out.new_pages and not (self.native_decode or self.gpu_attention):
             # A reused page still holds its last owner's K/V. Masked slots get zero weight, but
             # a non-finite leftover (an fp16 overflow) would still turn 0 * inf into NaN in the
-            # torch decode path's products over whole pages. The native kernels read no slot
-            # past a sequence's context (tests/test_native.py, tests/test_gpu_attention.py), nor do the prefill paths (they
-            # cut gathered pages at it), so with them the pages stay as they are: zeroing them
-            # took 6 ms of a 2,048-token SmolLM2 bf16 step.
+            # torch decode path's products over whole pages. The native and GPU kernels read no
+            # slot past a sequence's context (tests/test_native.py, tests/test_gpu_attention.py),
+            # nor do the prefill paths (they cut gathered pages at it), so with them the pages
+            # stay as they are: zeroing them took 6 ms of a 2,048-token SmolLM2 bf16 step.
             self.cache.clear(out.new_pages)
         if out.swap_in[0]:
             self.cache.swap_in(*out.swap_in)

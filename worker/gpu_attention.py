@@ -62,6 +62,11 @@ def why_not(device, dtype: torch.dtype, head_dim: int, model=None) -> str | None
     return None
 
 
+def _check_layout(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> None:
+    if not (kc.stride(3) == 1 and q.stride(2) == 1 and kc.stride() == vc.stride()):
+        raise ValueError("the kernels read head_dim-contiguous q and K/V pools of one layout")
+
+
 @functools.cache
 def _decode_kernel():
     import triton
@@ -118,8 +123,7 @@ def paged_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: to
     n, H, D = q.shape
     kvh, ps = kc.shape[1], kc.shape[2]
     g = H // kvh
-    if not (kc.stride(3) == 1 and q.stride(2) == 1 and kc.stride() == vc.stride()):
-        raise ValueError("the kernel reads head_dim-contiguous q and K/V pools of one layout")
+    _check_layout(q, kc, vc)
     out = torch.empty_like(q) if out is None else out
     if n:
         decode, pow2 = _decode_kernel()
@@ -220,8 +224,7 @@ def paged_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: t
     from ``work``. -> [T, H, D] (into ``out`` when given)."""
     T, H, D = q.shape
     kvh, ps = kc.shape[1], kc.shape[2]
-    if not (kc.stride(3) == 1 and q.stride(2) == 1 and kc.stride() == vc.stride()):
-        raise ValueError("the kernel reads head_dim-contiguous q and K/V pools of one layout")
+    _check_layout(q, kc, vc)
     out = torch.empty_like(q) if out is None else out
     if T:
         _prefill_kernel()[(work_pairs.shape[0] // 2, H)](

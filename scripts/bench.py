@@ -39,6 +39,7 @@ matters most.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import json
@@ -220,6 +221,9 @@ def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs
     ps = page_size
     total = sum(o for _, o in workload)
     prof = cProfile.Profile() if PROFILE else None
+    kinds: list[str] = []  # --profile: each step's kind (_step_kind)
+    torch_tables: list[str] = []  # --profile on CUDA: torch.profiler's view of a few steps
+    graph_steps = getattr(eng.runner.graphs, "steps", 0)
     with progress.bar(f"{config} {system}", total) as bar:
         if prof is not None:
             prof.enable()
@@ -228,9 +232,13 @@ def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs
             eng.add_request(rid, p, SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
         while eng.has_unfinished():
             acc["schedule"] = acc["prepare"] = 0.0
+            tprof = _torch_profiler(eng, len(steps))
             ts = time.perf_counter()
-            outs = eng.step()
+            with tprof or contextlib.nullcontext():
+                outs = eng.step()
             now = time.perf_counter()
+            if tprof is not None:
+                torch_tables.append(_torch_profile_table(tprof, len(steps), now - ts))
             running = eng.scheduler.running
             n_sched = len(running)
             alloc = sum(len(s.block_table) for s in running) * ps
@@ -243,11 +251,16 @@ def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs
                     stamps[index[out.request_id]].extend([now] * len(out.new_token_ids))
                     n += len(out.new_token_ids)
             steps.append((now - ts, acc["schedule"], acc["prepare"], n_sched, n))
+            if prof is not None:
+                kinds.append(_step_kind(eng, outs, graph_steps))
+                graph_steps = getattr(eng.runner.graphs, "steps", 0)
             bar.update(n)
     if prof is not None:
         prof.disable()
         with open(PROFILE, "a") as f:
             f.write(f"\n#### {config} {system}: {len(steps)} steps in {time.perf_counter() - t0:.1f} s (profiled)\n")
+            f.write(_step_kinds_table(steps, kinds))
+            f.write("".join(torch_tables))
             pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
             pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(60)
     for s, (_, o) in zip(stamps, workload):
@@ -279,6 +292,44 @@ def run_engine(model, workload, config: str, *, progress: Progress, max_num_seqs
     del eng
     gc.unfreeze()
     return Result.from_stamps(system, config, t0, stamps, extra=extra)
+
+
+PROFILED_STEPS = (1, 12, 60)  # --profile on CUDA: the steps torch.profiler records (a prefill, a mixed, a decode)
+
+
+def _torch_profiler(eng, index: int):
+    """On CUDA, under --profile, a torch.profiler for the steps in PROFILED_STEPS (kernels and launches)."""
+    if PROFILE is None or index not in PROFILED_STEPS or eng.runner.device.type != "cuda":
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
+def _torch_profile_table(tprof, index: int, wall: float) -> str:
+    ev = tprof.key_averages()
+    gpu = sum(e.self_device_time_total for e in ev) / 1e3
+    launches = sum(e.count for e in ev if "launch" in e.key.lower())
+    head = f"\n##### step {index}: {1e3 * wall:.1f} ms wall, {gpu:.1f} ms on the GPU, {launches} kernel launches\n"
+    return (head + ev.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60)
+            + ev.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
+def _step_kind(eng, outs, graph_steps: int) -> str:
+    """A profiled step's kind: replayed as a CUDA graph, decodes only, or with prompt tokens."""
+    if getattr(eng.runner.graphs, "steps", 0) > graph_steps:
+        return "decode (cuda graph)"
+    return "decode" if eng.stats.last_batch_tokens == len(outs) else "prefill or mixed"
+
+
+def _step_kinds_table(steps, kinds) -> str:
+    rows = ["\nkind | steps | seconds | mean ms | mean sequences", "---|---|---|---|---"]
+    for kind in sorted(set(kinds)):
+        sel = [st for st, k in zip(steps, kinds) if k == kind]
+        tot = sum(st[0] for st in sel)
+        rows.append(f"{kind} | {len(sel)} | {tot:.2f} | {1e3 * tot / len(sel):.1f} | {_mean([st[3] for st in sel]):.0f}")
+    return "\n".join(rows) + "\n\n"
 
 
 # ---------------------------------------------------------------------------- the ideal

@@ -5,10 +5,10 @@
 #   1. tests/test_gpu_attention.py on the GPU: the Triton kernels against attention over the
 #      pages, and an engine on CUDA (compiled forward, decode-only steps replayed as CUDA
 #      graphs) whose greedy output equals generate;
-#   2. the benchmark in bfloat16 on SmolLM2, 256 requests: tokenq's engine (its CUDA fast path)
-#      against the same engine with the fast path off and the ideal forward, with the GPU's GEMM
-#      peak and each system's MFU in the same table;
-#   3. the same engine run under cProfile: where its time goes (profile.txt);
+#   2. the engine under cProfile on SmolLM2 (bfloat16, 256 requests), with torch.profiler's
+#      view of three steps (a prefill, a mixed, a decode): where its time goes (profile.txt);
+#   3. the benchmark on the same workload: tokenq's engine (its CUDA fast path) against the
+#      ideal forward, with the GPU's GEMM peak and each system's MFU in the same table;
 #   4. the engine's start on CUDA (SmolLM2, bfloat16): compile, check and capture, at a first
 #      start (an empty Inductor cache) and at a restart;
 #   5. greedy parity on the GPU: tiny Llama/Qwen2/Qwen3/Mistral in float64 (exact), and the
@@ -65,13 +65,14 @@ timeout 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" -ra tests/test_gp
 
 BENCH=(scripts/bench.py --device cuda --dtype bfloat16 --requests 256 --max-num-seqs 256 --max-num-batched-tokens 8192
        --hf-batch 64 --no-progress)
-stage "2. benchmark, SmolLM2"
-timeout 200 $PY "${BENCH[@]}" --configs smollm2 --systems engine,engine-eager,ideal --sweeps '' \
-  --json "$OUT/bench-smollm2.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench-smollm2.md"
+stage "2. where the engine's time goes (cProfile, SmolLM2)"
+timeout 150 $PY "${BENCH[@]}" --configs smollm2 --systems engine --sweeps '' --profile "$OUT/profile.txt" > "$OUT/profile-run.log" 2>&1
+grep -E "compiled forward|cuda graphs|attention:|Error|output tok/s" "$OUT/profile-run.log" | tail -n 12
+grep -E "^#### |^kind|^decode|^prefill|^##### " "$OUT/profile.txt"
 
-stage "3. where the engine's time goes (cProfile, SmolLM2)"
-timeout 150 $PY "${BENCH[@]}" --configs smollm2 --systems engine --sweeps '' --profile "$OUT/profile.txt" > /dev/null 2>&1
-head -c 60000 "$OUT/profile.txt" | grep -E "^####|tottime" -A 22 | head -n 60
+stage "3. benchmark, SmolLM2"
+timeout 200 $PY "${BENCH[@]}" --configs smollm2 --systems engine,ideal --sweeps '' \
+  --json "$OUT/bench-smollm2.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench-smollm2.md"
 
 stage "4. engine start"
 export TORCHINDUCTOR_CACHE_DIR=/tmp/tokenq-inductor-start  # empty at the first start, kept for the restart

@@ -85,6 +85,35 @@ def test_no_recompilation_at_any_batch_shape(llama32, caplog):
         assert got == [t for o in eager.outputs[rid] for t in o.new_token_ids], rid
 
 
+def test_steps_of_sizes_not_run_at_start_are_padded_where_linears_are_onednn(llama32, monkeypatch):
+    """oneDNN builds a kernel for each new row count of a GEMM (compiled.ROW_STEP): a step of a
+    size the engine did not run at start goes through the graph padded to a multiple of 16
+    rows, with the tokens the eager path gives. (float32 linears are oneDNN's here whatever
+    this CPU would pick: MKL's packed SGEMM has no such cost and is never padded.)"""
+    from worker import native
+
+    monkeypatch.setattr(native, "packed_gemm_preferred", lambda: False)
+    engine = make_engine(llama32, **ENGINE)
+    fwd = engine.runner.compiled
+    assert fwd.onednn and not fwd.packed
+    assert set(range(1, ENGINE["max_num_seqs"] + 1)) <= fwd.warm_sizes  # every decode batch size, exact
+    assert [fwd.rows(t) for t in (1, 2, 17, 33, 47, 48, 49, 96)] == [2, 2, 17, 48, 48, 48, 64, 96]
+    rows, steps = [], []
+    graph, execute = fwd.graph, engine.runner.execute
+    monkeypatch.setattr(fwd, "graph", lambda ids, pos: rows.append(len(ids)) or graph(ids, pos))
+    monkeypatch.setattr(engine.runner, "execute", lambda out: steps.append(out.num_batched_tokens) or execute(out))
+    run = drive(engine, _shapes_workload(seed=2))
+    assert len(rows) == len(steps)
+    padded = [(t, r) for t, r in zip(steps, rows) if t not in fwd.warm_sizes]
+    assert len(padded) > 5 and any(r > t for t, r in padded)
+    assert all(r == t for t, r in zip(steps, rows) if t in fwd.warm_sizes and t > 1)
+    assert all(r % 16 == 0 and t <= r < t + 16 for t, r in padded)
+    eager = drive(make_engine(llama32, fast_path=False, **ENGINE), _shapes_workload(seed=2))
+    for rid in run.added:
+        got = [t for o in run.outputs[rid] for t in o.new_token_ids]
+        assert got == [t for o in eager.outputs[rid] for t in o.new_token_ids], rid
+
+
 def test_leftovers_in_reused_pages_change_nothing(llama32):
     """With the native kernels the runner does not zero a page it hands out again: nothing
     reads a slot past a sequence's context. A pool full of NaN and inf from the start, its pages

@@ -12,8 +12,10 @@ SGEMM instead (worker/csrc/packed_gemm.cpp), the faster kernel there at decode r
 One graph serves every step:
 
 - The packed token row ``[T]`` is the only dynamic size. Steps of one token are padded to
-  two (Inductor specialises sizes 0 and 1: a second graph otherwise); the attention op
-  computes the real rows only and the padding row's output is dropped.
+  two (Inductor specialises sizes 0 and 1: a second graph otherwise), and where the linears
+  are oneDNN's, steps of a size not run at start to a multiple of ROW_STEP (oneDNN builds a
+  kernel for each new row count); the attention op computes the real rows only and the
+  padding rows' output is dropped.
 - Attention is an opaque custom op, ``tokenq::paged_attention(q, k, v, layer)``, that
   reads the step's layout (a :class:`worker.attention.StepMeta`) and the cache from this
   module's step context, not from its arguments: nothing per step becomes a guard, and
@@ -49,6 +51,15 @@ from worker.probe import expected_windows
 
 COMPILED_DTYPES = (torch.float32, torch.bfloat16)
 MIN_ROWS = 2  # see the module docstring: sizes 0 and 1 would specialise the graph
+# Steps whose size was not run at start (warm_sizes: every decode batch size) are padded up to a
+# multiple of this many rows where the linears are oneDNN's. oneDNN builds a primitive (a JIT'd
+# kernel) for each new row count of each GEMM shape: 1-8 ms each, some 20 ms a step for
+# SmolLM2's four shapes at a new size, and its cache holds 1,024 primitives, so mixed steps of
+# every size from 1 to max_num_batched_tokens kept missing it while serving (1,300 sizes of one
+# shape run twice in a row: 8.2 s the second time, 0.34 s for 300 it still held). Multiples of
+# 16 (an AMX tile's rows) cap the sizes at 2,048 / 16 = 128 for the default budget; the padding
+# rows cost at most 15 rows of work a step and no attention (see paged_attention_op).
+ROW_STEP = 16
 MAX_DECODERS = 128  # compiled decoders one process may hold (see CompiledForward)
 # The RoPE table covers the model's whole exact length up to this many positions, so that
 # engines on one model with different cache sizes (hence different max_model_len) share one
@@ -253,6 +264,8 @@ class CompiledForward:
         self.windows = [int(w or 0) for _, w, _ in self.specs]
         attend = torch.ops.tokenq_native.attend if native_attention else torch.ops.tokenq.paged_attention
         self.packed = mkl_linears(model) if packed is None else packed
+        # the linears are oneDNN's (packed by Inductor): each new row count costs a primitive (ROW_STEP)
+        self.onednn = next(model.parameters()).device.type == "cpu" and not self.packed
         self.decoder = Decoder(model, max_len, attend, self.packed).eval()
         self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
         # Each decoder is its own graph (its weights are frozen into it; Dynamo guards on the
@@ -267,12 +280,21 @@ class CompiledForward:
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, meta) -> torch.Tensor:
         return self.head(self.hidden(ids, positions, meta).index_select(0, keep))
 
+    def rows(self, T: int) -> int:
+        """The rows the graph runs for a step of ``T`` tokens (padding past T: MIN_ROWS, ROW_STEP)."""
+        if T < MIN_ROWS:
+            return MIN_ROWS
+        if not self.onednn or T in self.warm_sizes:
+            return T
+        return -(-T // ROW_STEP) * ROW_STEP
+
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The decoder's output [T, hidden] for the step (padding rows, if any, at the end)."""
         T = ids.shape[0]
-        if T < MIN_ROWS:
-            ids = torch.cat([ids, ids.new_zeros(MIN_ROWS - T)])
-            positions = torch.cat([positions, positions.new_zeros(MIN_ROWS - T)])
+        rows = self.rows(T)
+        if rows > T:
+            ids = torch.cat([ids, ids.new_zeros(rows - T)])
+            positions = torch.cat([positions, positions.new_zeros(rows - T)])
         torch._dynamo.mark_dynamic(ids, 0)
         torch._dynamo.mark_dynamic(positions, 0)
         if self.native:
@@ -423,11 +445,11 @@ def warm_sizes(fwd: CompiledForward, shape: dict, device, dtype, kernels: tuple[
     t = time.perf_counter()
     runner = ModelRunner(None, KVCache(num_pages=max(todo), dtype=dtype, device=device, **shape), *kernels, compiled=fwd)
     for n in todo:  # a step of n one-token prompts: n rows through every GEMM
+        fwd.warm_sizes.add(n)  # run as n rows, not padded (CompiledForward.rows)
         seqs = [Sequence(f"warm-{i}", [1], 1, SamplingParams(max_tokens=1), 1, i, 0.0, 0) for i in range(n)]
         for i, s in enumerate(seqs):
             s.block_table = [i]
         runner.execute(SchedulerOutput(scheduled=[ScheduledSeq(s, 0, 1, True) for s in seqs]))
-    fwd.warm_sizes.update(todo)
     return time.perf_counter() - t
 
 

@@ -796,7 +796,7 @@ def main(argv=None) -> int:
                 kw = dict(eng_kw, max_num_seqs=max_seqs) if max_seqs else eng_kw
                 tag = "c" if what == "concurrency" else "p"
                 e = run_engine(model, wl, args.sweeps, progress=prog, system=f"engine {tag}={val}", **kw)
-                i = run_ideal(model, wl, args.sweeps, progress=prog) if "ideal" in systems else None
+                i = run_ideal(model, wl, args.sweeps, progress=prog) if "ideal" in args.sweep_systems else None
                 v = sweep_vllm(args, model, wl, args.sweeps, max_seqs, skipped) if what == "concurrency" else None
                 rows.append((val, len(wl), e, i, sum(len(p) + o for p, o in wl), v))
             sweeps[what] = rows

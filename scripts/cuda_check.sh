@@ -13,11 +13,12 @@
 #      start (an empty Inductor cache) and at a restart;
 #   5. greedy parity on the GPU: tiny Llama/Qwen2/Qwen3/Mistral in float64 (exact), and the
 #      real SmolLM2 in bfloat16 against generate, near ties allowed, where its weights are here;
-#   6. the benchmark on the small config with HF static batching, and a concurrency sweep on
-#      SmolLM2 (1, 16 and 256 requests).
+#   6. a concurrency sweep on SmolLM2 (1, 16 and 256 requests: engine and ideal forward), then
+#      the benchmark on the small config with HF static batching.
+# `bash scripts/cuda_check.sh 2 6` runs only those stages (after the set-up).
 # The design and what was measured: docs/cuda.md. Results go to $OUT (default ./cuda-results):
 # device.txt, tests.txt, bench-smollm2.md/.json, profile.txt, engine-start.txt, parity.txt,
-# bench-small.md/.json, bench.png.
+# bench-sweep.md/.json, bench-small.md/.json, bench.png.
 #
 # On a GPU image whose python3 already has a CUDA torch (and Triton, transformers), that Python
 # is used as it is: nothing is installed from a registry. What it lacks may travel in
@@ -26,6 +27,7 @@
 # weights of its shape, for speed only, and its outputs are not compared). Anywhere else the
 # project's own set-up (scripts/_setup.sh) runs first.
 set -uo pipefail
+STAGES="$*"  # e.g. `bash scripts/cuda_check.sh 2 6`: only those stages (after the set-up)
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-$ROOT/cuda-results}"
@@ -60,20 +62,25 @@ PY
 fi
 
 stage() { echo "== $1 ($(date +%T))"; }
-stage "1. tests on the GPU"
-timeout 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" -ra tests/test_gpu_attention.py 2>&1 | tail -n 25 | tee "$OUT/tests.txt"
-
 BENCH=(scripts/bench.py --device cuda --dtype bfloat16 --requests 256 --max-num-seqs 256 --max-num-batched-tokens 8192
        --hf-batch 64 --no-progress)
+want() { [ -z "$STAGES" ] || [[ " $STAGES " == *" $1 "* ]]; }  # the stages asked for (all by default)
+if want 1; then
+stage "1. tests on the GPU"
+timeout 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" -ra tests/test_gpu_attention.py 2>&1 | tail -n 25 | tee "$OUT/tests.txt"
+fi
+if want 2; then
 stage "2. where the engine's time goes (cProfile, SmolLM2)"
 timeout 150 $PY "${BENCH[@]}" --configs smollm2 --systems engine --sweeps '' --profile "$OUT/profile.txt" > "$OUT/profile-run.log" 2>&1
 grep -E "compiled forward|cuda graphs|attention:|Error|output tok/s" "$OUT/profile-run.log" | tail -n 12
 grep -E "^#### |^kind|^decode|^prefill|^##### " "$OUT/profile.txt"
-
+fi
+if want 3; then
 stage "3. benchmark, SmolLM2"
 timeout 200 $PY "${BENCH[@]}" --configs smollm2 --systems engine,ideal --sweeps '' \
   --json "$OUT/bench-smollm2.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench-smollm2.md"
-
+fi
+if want 4; then
 stage "4. engine start"
 export TORCHINDUCTOR_CACHE_DIR=/tmp/tokenq-inductor-start  # empty at the first start, kept for the restart
 for run in first restart; do
@@ -90,13 +97,18 @@ print(f"engine started in {time.time() - t:.1f} s (imports and loading included)
 PY
 done
 unset TORCHINDUCTOR_CACHE_DIR
-
+fi
+if want 5; then
 stage "5. parity"
 PARITY=(--device cuda)
 [ "$REAL_SMOLLM2" = 1 ] && PARITY+=(--bf16)
 timeout 90 $PY scripts/bench_parity.py "${PARITY[@]}" 2>&1 | tee "$OUT/parity.txt"
-
-stage "6. benchmark, small (with HF static batching); sweep on SmolLM2"
-timeout 150 $PY "${BENCH[@]}" --configs small --systems engine,ideal,hf-static --sweeps smollm2 --sweep-systems engine,ideal \
-  --concurrency 1,16,256 --prompt-lens '' --json "$OUT/bench-small.json" 2>&1 | tee "$OUT/bench-small.md"
+fi
+if want 6; then
+stage "6. concurrency sweep on SmolLM2; the small config with HF static batching"
+timeout 200 $PY "${BENCH[@]}" --configs smollm2 --systems engine --sweeps smollm2 --sweep-systems engine,ideal \
+  --concurrency 1,16,256 --prompt-lens '' --json "$OUT/bench-sweep.json" 2>&1 | tee "$OUT/bench-sweep.md"
+timeout 150 $PY "${BENCH[@]}" --configs small --systems engine,ideal,hf-static --sweeps '' \
+  --json "$OUT/bench-small.json" 2>&1 | tee "$OUT/bench-small.md"
+fi
 stage "done"

@@ -301,7 +301,6 @@ def _torch_profiler(eng, index: int):
     """On CUDA, under --profile, a torch.profiler for the steps in PROFILED_STEPS (kernels and launches)."""
     if PROFILE is None or index not in PROFILED_STEPS or eng.runner.device.type != "cuda":
         return None
-    import torch
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])

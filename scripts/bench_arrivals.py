@@ -34,8 +34,7 @@ def serve(config: str, dtype: str, row_step: int, rounds: int, requests: int, se
     from worker.engine import Engine
 
     compiled.ROW_STEP = row_step
-    model = build_model(config, dtype=getattr(torch, dtype))
-    model = model[0] if isinstance(model, tuple) else model
+    model, _ = build_model(config, dtype=getattr(torch, dtype))
     engine = Engine(model, None, EngineConfig(num_pages=requests * 40, max_num_seqs=64, max_num_batched_tokens=2048,
                                               check_invariants=False))
     rng = random.Random(seed)

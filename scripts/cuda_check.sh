@@ -74,6 +74,7 @@ stage "2. where the engine's time goes (cProfile, SmolLM2)"
 timeout 150 $PY "${BENCH[@]}" --configs smollm2 --systems engine --sweeps '' --profile "$OUT/profile.txt" > "$OUT/profile-run.log" 2>&1
 grep -E "compiled forward|cuda graphs|attention:|Error|output tok/s" "$OUT/profile-run.log" | tail -n 12
 grep -E "^#### |^kind|^decode|^prefill|^##### " "$OUT/profile.txt"
+grep -m1 -A28 "Ordered by: internal time" "$OUT/profile.txt" | cut -c1-150  # the host's Python, by own time
 fi
 if want 3; then
 stage "3. benchmark, SmolLM2"

@@ -8,14 +8,56 @@ a client never sees text that is later cut off.
 
 from __future__ import annotations
 
+import threading
+
 # Context tokens decoded before the new ones, so tokenizers that drop a leading space
 # (SentencePiece) still give the right text for the first output token.
 _CONTEXT = 5
+
+# tokenizer id -> (the tokenizer, its decode as called here); see _decoder
+_decoders: dict[int, tuple[object, object]] = {}
+_decoders_lock = threading.Lock()
+
+
+def _decoder(tokenizer):
+    """``ids -> tokenizer.decode(ids, skip_special_tokens=True)``, called as directly as it can be.
+
+    Every token of every sequence is decoded twice (add), and transformers' ``decode`` is a
+    Python wrapper around its Rust backend's: on the H200's host the wrapper took 14 us a call
+    where the backend took 2.4, some 1.5 ms of a 14 ms decode step at 133 sequences (the GPU's
+    part of it is 6.4 ms). Where the wrapper adds nothing (a fast tokenizer that does not clean
+    up spaces) the backend is called itself; a probe over the vocabulary's first ids checks the
+    two agree, else the wrapper stays."""
+    key = id(tokenizer)
+    hit = _decoders.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+
+    def wrapped(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    fn = wrapped
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        def direct(ids):
+            return backend.decode(ids, skip_special_tokens=True)
+
+        try:
+            n = min(len(tokenizer), 512)
+            probes = [list(range(i, min(n, i + 7))) for i in range(0, n, 7)] + [sorted(tokenizer.all_special_ids)]
+            if all(direct(ids) == wrapped(ids) for ids in probes):
+                fn = direct
+        except Exception:  # noqa: BLE001 - any doubt: the tokenizer's own decode
+            fn = wrapped
+    with _decoders_lock:
+        _decoders[key] = (tokenizer, fn)
+    return fn
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
         self.tokenizer = tokenizer
+        self._decode = _decoder(tokenizer)
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = list(prompt_ids[-_CONTEXT:])
@@ -24,9 +66,6 @@ class IncrementalDetokenizer:
         self.text = ""  # all output text so far (cut at a stop string once found)
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_ids: list[int]) -> None:
         """Take new tokens; sets ``stopped`` when the text now contains a stop string."""

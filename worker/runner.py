@@ -91,8 +91,10 @@ class ModelRunner:
         extra, spans = self._prompt_rows(batch)
         if self.graphs is not None and not extra and self.graphs.fits(batch):
             h = self.graphs.run(batch)
-            keep = torch.tensor([i for i, s in enumerate(batch) if s.sample], dtype=torch.long, device=self.device)
-            return self.graphs.fwd.head(h.index_select(0, keep)), [s for s in batch if s.sample], []
+            sampled = [s for s in batch if s.sample]
+            if len(sampled) < len(batch):  # a decode always samples; kept general
+                h = h.index_select(0, torch.tensor([i for i, s in enumerate(batch) if s.sample], device=self.device))
+            return self.graphs.fwd.head(h), sampled, []
         meta, input_ids, positions, sample_rows = self._prepare(batch)
         keep = torch.cat([sample_rows, _ints(extra).to(self.device)]) if extra else sample_rows
         if self.compiled is not None:

@@ -240,11 +240,15 @@ class Scheduler:
         self.running.sort(key=lambda s: s.order)
         # Decodes need one token each; keep that much budget for those not yet scheduled so a
         # long prefill chunk of an urgent sequence does not stall everyone's next token.
-        decodes_left = sum(1 for s in self.running if s.num_tokens - s.num_computed == 1)
+        decodes_left = sum(1 for s in self.running if len(s.token_ids) - s.num_computed == 1)
+        # This loop runs once per running sequence per step (256 on a GPU): attributes read
+        # once, and _grow called only for a chunk that runs past the pages its sequence holds.
+        ps, scheduled = self.alloc.page_size, out.scheduled
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:  # evicted earlier in this loop
                 continue
-            remaining = seq.num_tokens - seq.num_computed
+            start, total = seq.num_computed, len(seq.token_ids)
+            remaining = total - start
             if remaining == 1:
                 decodes_left -= 1
                 n = 1 if budget >= 1 else 0
@@ -252,9 +256,9 @@ class Scheduler:
                 n = min(remaining, budget - decodes_left)
             if n <= 0:
                 continue
-            if not self._grow(seq, seq.num_computed + n, out, preempted):
+            if start + n > len(seq.block_table) * ps and not self._grow(seq, start + n, out, preempted):
                 continue  # it was its own victim
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            scheduled.append(ScheduledSeq(seq, start, n, start + n == total))
             budget -= n
         return budget
 

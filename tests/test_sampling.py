@@ -306,3 +306,23 @@ def test_detokenizer_holds_partial_characters_and_stop_prefixes():
     d.add(part[1:])
     assert d.delta(final=False) == "a"
     assert d.delta(final=True) == t.decode(part)[1:] and "\ufffd" in t.decode(part)
+
+
+def test_detokenizer_calls_the_rust_backend_only_where_it_decodes_the_same():
+    """The detokenizer skips transformers' decode wrapper (worker/detokenizer.py: _decoder) where
+    the backend's decode is the same text: checked here on random id runs over the whole
+    vocabulary, special tokens among them; a tokenizer that cleans up spaces keeps the wrapper."""
+    from worker.detokenizer import _decoder
+
+    t = tok()
+    fast = _decoder(t)
+    assert fast.__name__ == "direct" and _decoder(t) is fast  # probed once per tokenizer
+    rng = random.Random(0)
+    specials = sorted(t.all_special_ids)
+    for _ in range(2000):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(t)) for _ in range(rng.randint(1, 12))]
+        assert fast(ids) == t.decode(ids, skip_special_tokens=True)
+
+    cleaned = tiny_tokenizer()
+    cleaned.clean_up_tokenization_spaces = True
+    assert _decoder(cleaned).__name__ == "wrapped"

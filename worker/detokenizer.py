@@ -8,15 +8,13 @@ a client never sees text that is later cut off.
 
 from __future__ import annotations
 
-import threading
-
 # Context tokens decoded before the new ones, so tokenizers that drop a leading space
 # (SentencePiece) still give the right text for the first output token.
 _CONTEXT = 5
 
-# tokenizer id -> (the tokenizer, its decode as called here); see _decoder
+# tokenizer id -> (the tokenizer, its decode as called here); see _decoder. Two threads that
+# probe one tokenizer at once both store the same answer.
 _decoders: dict[int, tuple[object, object]] = {}
-_decoders_lock = threading.Lock()
 
 
 def _decoder(tokenizer):
@@ -47,16 +45,14 @@ def _decoder(tokenizer):
             probes = [list(range(i, min(n, i + 7))) for i in range(0, n, 7)] + [sorted(tokenizer.all_special_ids)]
             if all(direct(ids) == wrapped(ids) for ids in probes):
                 fn = direct
-        except Exception:  # noqa: BLE001 - any doubt: the tokenizer's own decode
-            fn = wrapped
-    with _decoders_lock:
-        _decoders[key] = (tokenizer, fn)
+        except Exception:  # noqa: BLE001 - any doubt: the tokenizer's own decode (fn stays wrapped)
+            pass
+    _decoders[key] = (tokenizer, fn)
     return fn
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
-        self.tokenizer = tokenizer
         self._decode = _decoder(tokenizer)
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1

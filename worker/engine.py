@@ -317,12 +317,10 @@ class Engine:
         st = self._stats
         if out.scheduled:
             logits, sampled, prompt = self.runner.execute(out)
-            commit = self.scheduler.commit if self.scheduler.caching else None
             for s in out.scheduled:
                 seq = s.seq
                 seq.num_computed = s.start + s.num_tokens
-                if commit is not None:
-                    commit(seq)
+                self.scheduler.commit(seq)
                 if s.num_tokens > 1 or s.start < seq.num_prompt_tokens:
                     st.num_prompt_tokens += s.num_tokens
             for s, lo, rows in prompt:

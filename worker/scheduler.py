@@ -241,9 +241,8 @@ class Scheduler:
         # Decodes need one token each; keep that much budget for those not yet scheduled so a
         # long prefill chunk of an urgent sequence does not stall everyone's next token.
         decodes_left = sum(1 for s in self.running if len(s.token_ids) - s.num_computed == 1)
-        # This loop runs once per running sequence per step (256 on a GPU): attributes read
-        # once, and _grow called only for a chunk that runs past the pages its sequence holds.
-        ps, scheduled = self.alloc.page_size, out.scheduled
+        # This loop runs once per running sequence per step (256 on a GPU): each one's counts read once.
+        scheduled = out.scheduled
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:  # evicted earlier in this loop
                 continue
@@ -256,7 +255,7 @@ class Scheduler:
                 n = min(remaining, budget - decodes_left)
             if n <= 0:
                 continue
-            if start + n > len(seq.block_table) * ps and not self._grow(seq, start + n, out, preempted):
+            if not self._grow(seq, start + n, out, preempted):
                 continue  # it was its own victim
             scheduled.append(ScheduledSeq(seq, start, n, start + n == total))
             budget -= n

@@ -219,17 +219,32 @@ def test_turned_off_it_says_why_and_the_torch_path_runs(monkeypatch, caplog):
 def test_a_build_killed_midway_does_not_block_the_next_start():
     """torch's extension builder waits without end for its ``lock`` file to go; one left by a
     killed build must not hang the next start (worker/native.py's build lock removes it)."""
+    import contextlib
+    import fcntl
     import subprocess
     import sys
     from pathlib import Path
 
-    stale = Path(native.build_directory()) / "lock"
-    stale.touch()
+    build_dir = Path(native.build_directory())
+    stale = build_dir / "lock"
+
+    @contextlib.contextmanager
+    def no_build_running():
+        # torch's builder writes ``lock`` on every load, even one that finds the build current, and
+        # the other pytest process loads the kernels too: holding the builders' flock (what
+        # worker/native.py takes first) means a ``lock`` seen here is not a live one
+        with open(build_dir / "tokenq.flock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
+    with no_build_running():
+        stale.touch()
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-c", "from worker import native; print(native.load() is not None)"],
                           cwd=root, capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "True", done.stderr[-2000:]
-    assert not stale.exists()
+    with no_build_running():
+        assert not stale.exists()
 
 
 def test_a_process_with_another_path_loads_the_build_without_rebuilding():

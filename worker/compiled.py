@@ -157,10 +157,13 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [T, heads, D]; cos/sin [T, 1, D] (transformers' rotate_half convention)
+    # x [T, heads, D]; cos/sin [T, 1, D]: transformers' x * cos + rotate_half(x) * sin, each half
+    # computed where it lands. Written with rotate_half's cat of a slice, Inductor copied the
+    # halves into a buffer first (four more loops over q and k): 0.61 -> 0.37 ms for a small
+    # layer's q and k at 2,048 tokens, bf16, the same bits
     half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos[..., :half] - x2 * sin[..., :half], x2 * cos[..., half:] + x1 * sin[..., half:]), dim=-1)
 
 
 class Decoder(nn.Module):

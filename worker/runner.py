@@ -92,7 +92,7 @@ class ModelRunner:
         if self.graphs is not None and not extra and self.graphs.fits(batch):
             h = self.graphs.run(batch)
             sampled = [s for s in batch if s.sample]
-            if len(sampled) < len(batch):  # a decode always samples; kept general
+            if len(sampled) < len(batch):  # a one-token chunk short of its prompt's end samples nothing
                 h = h.index_select(0, torch.tensor([i for i, s in enumerate(batch) if s.sample], device=self.device))
             return self.graphs.fwd.head(h), sampled, []
         meta, input_ids, positions, sample_rows = self._prepare(batch)

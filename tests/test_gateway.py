@@ -73,7 +73,7 @@ def test_completion_stream(oai):
 def test_stream_ends_with_done_marker(gateway):
     base, _ = gateway
     with httpx.stream("POST", base + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 3,
-                                                              "stream": True}, timeout=60) as resp:
+                                                              "temperature": 0, "stream": True}, timeout=60) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in resp.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"

@@ -92,7 +92,7 @@ def test_steps_of_sizes_not_run_at_start_are_padded_where_linears_are_onednn(lla
     this CPU would pick: MKL's packed SGEMM has no such cost and is never padded.)"""
     from worker import native
 
-    monkeypatch.setattr(native, "packed_gemm_preferred", lambda: False)
+    monkeypatch.setattr(native, "packed_gemm_preferred", lambda dtype: False)
     engine = make_engine(llama32, **ENGINE)
     fwd = engine.runner.compiled
     assert fwd.onednn and not fwd.packed
@@ -163,32 +163,35 @@ def test_engines_on_one_model_share_the_graph(llama32):
     assert c.generate(prompts, params) == a.generate(prompts, params)
 
 
-def test_float32_linears_run_through_mkl_packed_weights_freed_with_the_graph():
-    """float32 on CPU: the decoder's four linears a layer go through MKL's packed SGEMM
-    (worker/csrc/packed_gemm.cpp) where asked, by default on Intel CPUs; the packed copies are
-    released with the decoder that made them, and its logits are the eager model's."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linears_run_through_packed_weights_freed_with_the_graph(dtype):
+    """On CPU the decoder's four linears a layer go through worker/csrc/packed_gemm.cpp where
+    asked, by default where its kernel is the faster one (float32: MKL on Intel CPUs; bf16: AMX
+    tiles); the packed copies are released with the decoder that made them, and its products
+    are the eager model's."""
     from worker import native
 
-    if not native.packed_gemm_usable():
-        pytest.skip("this torch has no MKL")
-    model = tiny_model("llama", dtype=torch.float32, seed=11)
+    if not native.packed_gemm_usable(dtype):
+        pytest.skip(f"no packed {dtype} kernel here")
+    model = tiny_model("llama", dtype=dtype, seed=11)
     default = compiled.CompiledForward(model, 64, model.get_output_embeddings(), native_attention=True)
-    assert default.packed == native.packed_gemm_preferred()
+    assert default.packed == native.packed_gemm_preferred(dtype)
     del default
     fwd = compiled.CompiledForward(model, 64, model.get_output_embeddings(), native_attention=True, packed=True)
     layer = fwd.decoder.layers[0]
     handles = [h for L in fwd.decoder.layers for h in L.handles()]
     assert fwd.packed and len(handles) == 4 * len(fwd.decoder.layers) and layer.qkv_w is None
-    x = torch.randn(5, model.config.hidden_size)
+    assert fwd.onednn == (dtype == torch.bfloat16)  # bf16 rows past the tiles' go to oneDNN: padded
     at = model.model.layers[0].self_attn
-    want = torch.cat([at.q_proj(x), at.k_proj(x), at.v_proj(x)], -1)
-    assert torch.allclose(torch.ops.tokenq_native.sgemm_packed(x, layer.qkv_h), want, atol=1e-5)
+    for rows in (5, 200):  # bf16: AMX tiles, then oneDNN
+        x = torch.randn(rows, model.config.hidden_size).to(dtype)
+        want = torch.cat([at.q_proj(x), at.k_proj(x), at.v_proj(x)], -1)
+        tol = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.ops.tokenq_native.gemm_packed(x, layer.qkv_h), want, **tol)
     del fwd, layer
     gc.collect()
     with pytest.raises(RuntimeError, match="no packed weight"):
-        torch.ops.tokenq_native.sgemm_packed(x, handles[0])
-    bf16 = tiny_model("llama", dtype=torch.bfloat16, seed=11)
-    assert not compiled.CompiledForward(bf16, 64, bf16.get_output_embeddings(), native_attention=True).packed
+        torch.ops.tokenq_native.gemm_packed(x, handles[0])
 
 
 def test_rope_table_length():

@@ -121,10 +121,10 @@ def test_the_float32_linear_kernel_not_picked_here_matches_eager_too(fp32_models
     above hold this machine's pick to eager, this one the other kernel."""
     from worker import native
 
-    if not native.packed_gemm_usable():
+    if not native.packed_gemm_usable(torch.float32):
         pytest.skip("this torch has no MKL")
-    other = not native.packed_gemm_preferred()
-    monkeypatch.setattr(native, "packed_gemm_preferred", lambda: other)
+    other = not native.packed_gemm_preferred(torch.float32)
+    monkeypatch.setattr(native, "packed_gemm_preferred", lambda dtype: other)
     engine = _assert_step_logits_match_eager(fp32_models["llama"][0], seed=150)
     assert engine.runner.compiled.packed == other
 
@@ -166,11 +166,21 @@ def test_merged_projections_any_order_any_input(pack):
                 torch.testing.assert_close(parts[i](inp), F.linear(inp, lins[i].weight, lins[i].bias), rtol=1e-5, atol=1e-5)
 
 
-def test_bfloat16_fast_path_agrees_with_eager():
+@pytest.mark.parametrize("pick", ["here", "other"])
+def test_bfloat16_fast_path_agrees_with_eager(pick, monkeypatch):
+    """bf16 linears run on AMX tiles where the CPU has AMX (worker/csrc/packed_gemm.cpp) and as
+    oneDNN's packed linears elsewhere: both held to eager ("other": the kernel not picked here)."""
+    from worker import native
+
+    if pick == "other":
+        if not native.packed_gemm_usable(torch.bfloat16):
+            pytest.skip("no AMX here: oneDNN's linears are the only bf16 kernel")
+        monkeypatch.setattr(native, "packed_gemm_preferred", lambda dtype: False)
     model = tiny_model("llama", dtype=torch.bfloat16, seed=5)
     prompts, params = _workload(seed=7, n=48)
     fast_engine = make_engine(model, **ENGINE)
     assert fast_engine.runner.model is not model
+    assert fast_engine.runner.compiled.packed == (pick == "here" and native.packed_gemm_preferred(torch.bfloat16))
     fast = fast_engine.generate(prompts, params)
     eager = make_engine(model, fast_path=False, **ENGINE).generate(prompts, params)
     # bf16 keeps 8 bits of mantissa: a different summation order flips more near ties;

@@ -267,34 +267,44 @@ def test_a_process_with_another_path_loads_the_build_without_rebuilding():
     assert lib.stat().st_mtime_ns == before
 
 
-@pytest.mark.skipif(not native.packed_gemm_usable(), reason="this torch has no MKL")
-def test_packed_sgemm_serves_every_row_count():
-    """MKL packs a weight for one row count (worker/csrc/packed_gemm.cpp packs for 64); the
-    compiled forward runs it at every step's row count, so each must give x @ w.T."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_gemm_serves_every_row_count(dtype):
+    """worker/csrc/packed_gemm.cpp packs a weight once (float32: for MKL, told 64 rows; bf16: in
+    AMX tiles up to 128 rows and for oneDNN past them); the compiled forward runs it at every
+    step's row count, so each must give x @ w.T as closely as F.linear does. Shapes whose sizes
+    are not multiples of 32 (bf16: oneDNN's alone) are served too."""
+    if not native.packed_gemm_usable(dtype):
+        pytest.skip(f"no packed {dtype} kernel here (float32: MKL; bf16: AMX)")
     gen = torch.Generator().manual_seed(0)
-    for K, N in ((64, 96), (576, 960), (1536, 576)):
-        w = torch.randn(N, K, generator=gen)
-        handle = native.sgemm_pack(w)
+    for K, N in ((64, 96), (576, 960), (1536, 576), (100, 72)):
+        w = torch.randn(N, K, generator=gen).to(dtype)
+        handle = native.gemm_pack(w)
         try:
-            for M in (0, 1, 2, 7, 63, 64, 65, 300, 2048):
-                x = torch.randn(M, K, generator=gen)
-                y = torch.ops.tokenq_native.sgemm_packed(x, handle)
+            for M in (0, 1, 2, 7, 16, 17, 33, 63, 64, 65, 128, 129, 300, 2048):
+                x = torch.randn(M, K, generator=gen).to(dtype)
+                y = torch.ops.tokenq_native.gemm_packed(x, handle)
                 want = x.double() @ w.double().T
-                assert y.shape == (M, N) and y.dtype == torch.float32
-                if M:  # float32 sums of K products: within F.linear's own distance of float64
-                    lin = (torch.nn.functional.linear(x, w).double() - want).abs().max().item()
-                    assert (y.double() - want).abs().max().item() <= max(2 * lin, 1e-5 * K ** 0.5)
+                assert y.shape == (M, N) and y.dtype == dtype
+                if M:  # sums of K products: within F.linear's own distance of float64
+                    lin = torch.nn.functional.linear(x, w)
+                    near = (lin.double() - want).abs().max().item()
+                    assert (y.double() - want).abs().max().item() <= max(2 * near, 1e-5 * K ** 0.5)
+                    if dtype == torch.bfloat16:  # the same float32 sums rounded once: few outputs differ
+                        assert (y != lin).float().mean().item() < 0.01
             # a strided view is read as its values
-            x = torch.randn(K, 9, generator=gen).T
-            assert torch.allclose(torch.ops.tokenq_native.sgemm_packed(x, handle), x @ w.T, atol=1e-4)
+            x = torch.randn(K, 9, generator=gen).T.to(dtype)
+            rtol = 1.6e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: a rounding apart at most
+            torch.testing.assert_close(torch.ops.tokenq_native.gemm_packed(x, handle), x @ w.T, rtol=rtol, atol=1e-4)
         finally:
-            native.sgemm_release(handle)
+            native.gemm_release(handle)
         with pytest.raises(RuntimeError, match="no packed weight"):
-            torch.ops.tokenq_native.sgemm_packed(torch.randn(2, K), handle)
-    handle = native.sgemm_pack(torch.randn(8, 16))
-    with pytest.raises(RuntimeError, match=r"x must be \[M, 16\] float32"):
-        torch.ops.tokenq_native.sgemm_packed(torch.randn(2, 17), handle)
-    native.sgemm_release(handle)
+            torch.ops.tokenq_native.gemm_packed(torch.randn(2, K).to(dtype), handle)
+    handle = native.gemm_pack(torch.randn(8, 16).to(dtype))
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 16\]"):
+        torch.ops.tokenq_native.gemm_packed(torch.randn(2, 17).to(dtype), handle)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 16\]"):  # another dtype
+        torch.ops.tokenq_native.gemm_packed(torch.randn(2, 16).to(torch.float16), handle)
+    native.gemm_release(handle)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,8 +6,9 @@ layer, 15-35 us each in bfloat16 on a CPU, more time than the layer's GEMMs at d
 sizes. Here the same computation is written once as plain tensor code over the model's
 weights and compiled whole by Inductor, which fuses those ops into a few loops, packs the
 frozen weights for oneDNN and merges nothing the code does not merge itself (q/k/v and
-gate/up are concatenated here). In float32 on an Intel CPU the linears are packed for MKL's
-SGEMM instead (worker/csrc/packed_gemm.cpp), the faster kernel there at decode row counts.
+gate/up are concatenated here). On a CPU with AMX, bf16 linears are packed into AMX tiles
+instead, and in float32 on an Intel CPU for MKL's SGEMM (worker/csrc/packed_gemm.cpp): the
+faster kernels there at decode row counts.
 
 One graph serves every step:
 
@@ -107,7 +108,7 @@ def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
 
 class _Layer(nn.Module):
     """One decoder layer's weights: q/k/v and gate/up concatenated (one GEMM each). With
-    ``packed``, the four weights are packed for MKL (worker/csrc/packed_gemm.cpp) and the graph
+    ``packed``, the four weights are packed by worker/csrc/packed_gemm.cpp and the graph
     names them by handle (``*_h``; None: F.linear on the weight, which Inductor packs for oneDNN)."""
 
     def __init__(self, layer: nn.Module, packed: bool = False):
@@ -134,8 +135,8 @@ class _Layer(nn.Module):
         self.act = mlp.act_fn
         self.qkv_h = self.o_h = self.gate_up_h = self.down_h = None
         if packed:
-            self.qkv_h, self.o_h = native.sgemm_pack(self.qkv_w), native.sgemm_pack(self.o_w)
-            self.gate_up_h, self.down_h = native.sgemm_pack(self.gate_up_w), native.sgemm_pack(self.down_w)
+            self.qkv_h, self.o_h = native.gemm_pack(self.qkv_w), native.gemm_pack(self.o_w)
+            self.gate_up_h, self.down_h = native.gemm_pack(self.gate_up_w), native.gemm_pack(self.down_w)
             self.qkv_w = self.gate_up_w = None  # the concatenated copies (o and down share the model's)
 
     def handles(self) -> list[int]:
@@ -145,7 +146,7 @@ class _Layer(nn.Module):
 def _linear(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, handle: int | None) -> torch.Tensor:
     if handle is None:
         return F.linear(x, w, b)
-    y = torch.ops.tokenq_native.sgemm_packed(x, handle)
+    y = torch.ops.tokenq_native.gemm_packed(x, handle)
     return y if b is None else y + b
 
 
@@ -176,7 +177,7 @@ class Decoder(nn.Module):
         self.embed = _param(inner.embed_tokens.weight)
         self.layers = nn.ModuleList(_Layer(layer, packed) for layer in inner.layers)
         handles = [h for L in self.layers for h in L.handles()]
-        if handles:  # MKL's packed copies live in the native library until the decoder goes
+        if handles:  # the packed copies live in the native library until the decoder goes
             weakref.finalize(self, _release, handles)
         self.norm = _param(inner.norm.weight)
         self.eps = inner.norm.variance_epsilon
@@ -217,7 +218,7 @@ class Decoder(nn.Module):
 
 def _release(handles: list[int]) -> None:
     for h in handles:
-        native.sgemm_release(h)
+        native.gemm_release(h)
 
 
 def why_not(model: nn.Module, device: torch.device) -> str | None:
@@ -253,7 +254,7 @@ class CompiledForward:
 
     def __init__(self, model: nn.Module, max_len: int, head: nn.Module, native_attention: bool,
                  packed: bool | None = None):
-        """``packed``: float32 linears through MKL's packed SGEMM; by default as mkl_linears says."""
+        """``packed``: linears through worker/csrc/packed_gemm.cpp; by default as packed_linears says."""
         config = model.config
         layers = model.model.layers
         windows = expected_windows(config, len(layers))
@@ -266,9 +267,11 @@ class CompiledForward:
         self.scales = [float(sc) for sc, _, _ in self.specs]
         self.windows = [int(w or 0) for _, w, _ in self.specs]
         attend = torch.ops.tokenq_native.attend if native_attention else torch.ops.tokenq.paged_attention
-        self.packed = mkl_linears(model) if packed is None else packed
-        # the linears are oneDNN's (packed by Inductor): each new row count costs a primitive (ROW_STEP)
-        self.onednn = next(model.parameters()).device.type == "cpu" and not self.packed
+        self.packed = packed_linears(model) if packed is None else packed
+        # some linears are oneDNN's (packed by Inductor, or bf16 steps past the AMX kernel's rows):
+        # each new row count costs a primitive (ROW_STEP)
+        w = next(model.parameters())
+        self.onednn = w.device.type == "cpu" and (not self.packed or w.dtype == torch.bfloat16)
         self.decoder = Decoder(model, max_len, attend, self.packed).eval()
         self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
         # Each decoder is its own graph (its weights are frozen into it; Dynamo guards on the
@@ -313,15 +316,16 @@ class CompiledForward:
                 _context.step = None
 
 
-def mkl_linears(model: nn.Module) -> bool:
-    """Whether the decoder's linears go through MKL's packed SGEMM (worker/csrc/packed_gemm.cpp):
-    float32 on a CPU where it beats Inductor's oneDNN packing at decode row counts (an Intel
-    one). Asked only there: anywhere else the question would build the CPU kernels for nothing."""
+def packed_linears(model: nn.Module) -> bool:
+    """Whether the decoder's linears go through worker/csrc/packed_gemm.cpp: on a CPU where its
+    kernels beat Inductor's oneDNN packing at decode row counts (bf16: one with AMX; float32:
+    an Intel one, MKL). Asked only there: anywhere else the question would build the CPU
+    kernels for nothing."""
     w = next(model.parameters())
-    return w.dtype == torch.float32 and w.device.type == "cpu" and native.packed_gemm_preferred()
+    return w.device.type == "cpu" and w.dtype in COMPILED_DTYPES and native.packed_gemm_preferred(w.dtype)
 
 
-# model -> {(RoPE table length, attention kernels, MKL linears): CompiledForward}: engines on
+# model -> {(RoPE table length, attention kernels, packed linears): CompiledForward}: engines on
 # the same model share one graph (it holds no per-engine state: the cache and layout come with
 # each step)
 _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -347,7 +351,7 @@ def get(model: nn.Module, max_len: int, device: torch.device, eager: nn.Module, 
     length = table_len(max_len, max_exact_len(config))
     kernels = (native_decode, native_prefill)
     dtype = next(model.parameters()).dtype
-    packed = mkl_linears(model)
+    packed = packed_linears(model)
     known = _built.setdefault(model, {})
     if (length, kernels, packed) in known:
         return known[length, kernels, packed], "compiled earlier for this model"

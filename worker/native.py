@@ -1,6 +1,6 @@
 """The engine's native CPU kernels: paged attention (worker/csrc/paged_attention.cpp), the
-compiled forward's float32 linears (worker/csrc/packed_gemm.cpp) and the sampler's greedy
-picks (worker/csrc/greedy.cpp).
+compiled forward's packed linears (worker/csrc/packed_gemm.cpp: float32 on MKL, bf16 on AMX
+tiles) and the sampler's greedy picks (worker/csrc/greedy.cpp).
 
 Decode attention is a few tiny products per page and sequence; through torch ops that is
 hundreds of small bmm calls and a segmented softmax a layer, and in bfloat16 (whose small
@@ -39,8 +39,9 @@ import torch
 
 log = logging.getLogger("tokenq.native")
 
-# paged attention, float32 linears through MKL's packed SGEMM (the compiled forward's), greedy picks
+# paged attention, the compiled forward's packed linears (float32: MKL; bf16: AMX tiles), greedy picks
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "greedy.cpp")]
+HEADERS = [Path(__file__).with_name("csrc") / "amx.h"]  # part of the build's key, not compiled alone
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _lock = threading.Lock()
@@ -65,7 +66,7 @@ def _cpu_key() -> str:
 
 
 def _name() -> str:
-    sources = b"".join(path.read_bytes() for path in SOURCES)
+    sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha1(sources + _cpu_key().encode() + torch.__version__.encode()).hexdigest()[:12]
     return f"tokenq_native_{key}"
 
@@ -201,18 +202,23 @@ _EMPTY = torch.empty(0)
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)
 
 
-def packed_gemm_usable() -> bool:
-    """Whether float32 linears can run through MKL's packed SGEMM here (worker/csrc/packed_gemm.cpp)."""
-    return load() is not None and bool(_module.sgemm_supported())
+def packed_gemm_usable(dtype: torch.dtype) -> bool:
+    """Whether linears in ``dtype`` can run through weights packed here (worker/csrc/packed_gemm.cpp):
+    float32 through MKL's packed SGEMM (a torch with MKL), bf16 on AMX tiles (a CPU with AMX)."""
+    return load() is not None and bool(_module.gemm_supported(dtype))
 
 
-def packed_gemm_preferred() -> bool:
-    """Whether float32 linears should take MKL's packed SGEMM here: where it is usable and the
-    CPU is Intel's. At decode row counts (SmolLM2's shapes, 2 threads) it beat oneDNN's packed
-    linears on an Intel Xeon (AVX-512: decode steps 6-15% faster) and lost on an AMD EPYC
-    (AVX2: decode steps at 64 / 16 / 1 sequences 220 / 114 / 63 ms against oneDNN's 193 / 76 /
-    39; MKL's kernels there ran no faster than its unpacked SGEMM)."""
-    return packed_gemm_usable() and "GenuineIntel" in (_cpuinfo("vendor_id") or "")
+def packed_gemm_preferred(dtype: torch.dtype) -> bool:
+    """Whether linears in ``dtype`` should take the packed kernels here: bf16 wherever AMX is
+    (decode steps' linears read their weights at the memory's speed there, oneDNN's did not:
+    worker/csrc/packed_gemm.cpp); float32 where MKL is usable and the CPU is Intel's. At decode
+    row counts (SmolLM2's shapes, 2 threads) MKL beat oneDNN's packed linears on an Intel Xeon
+    (AVX-512: decode steps 6-15% faster) and lost on an AMD EPYC (AVX2: decode steps at 64 / 16 /
+    1 sequences 220 / 114 / 63 ms against oneDNN's 193 / 76 / 39; MKL's kernels there ran no
+    faster than its unpacked SGEMM)."""
+    if dtype == torch.bfloat16:
+        return packed_gemm_usable(dtype)
+    return dtype == torch.float32 and packed_gemm_usable(dtype) and "GenuineIntel" in (_cpuinfo("vendor_id") or "")
 
 
 def argmax_usable(logits: torch.Tensor) -> bool:
@@ -235,11 +241,12 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return _module.argmax_rows(logits)
 
 
-def sgemm_pack(w: torch.Tensor) -> int:
-    """A handle to ``w`` [N, K] (float32) packed for MKL; free it with sgemm_release."""
-    return int(_module.sgemm_pack(w))
+def gemm_pack(w: torch.Tensor) -> int:
+    """A handle to ``w`` [N, K] (float32: for MKL; bf16: in AMX tiles and for oneDNN); free it
+    with gemm_release. The graph calls ``torch.ops.tokenq_native.gemm_packed(x, handle)``."""
+    return int(_module.gemm_pack(w))
 
 
-def sgemm_release(handle: int) -> None:
+def gemm_release(handle: int) -> None:
     if _module is not None:
-        _module.sgemm_release(handle)
+        _module.gemm_release(handle)

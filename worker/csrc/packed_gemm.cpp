@@ -1,24 +1,43 @@
-// float32 linears through MKL's packed SGEMM, for the compiled forward (worker/compiled.py).
+// Linears through weights packed once, for the compiled forward (worker/compiled.py): float32
+// through MKL's packed SGEMM, bfloat16 through AMX tile products at decode row counts.
 //
-// Inductor packs a frozen float32 linear for oneDNN when the token dimension is dynamic (it
-// uses MKL's packed SGEMM only for a fixed row count). At the row counts of decode steps MKL's
-// packed kernel is the faster one on two cores (SmolLM2's shapes, 2 threads, GFLOP/s, MKL
-// against oneDNN: 64 rows 255-285 against 191-236, 16 rows 170-266 against 142-184, 1 row
-// 2-4x; level from 256 rows on). torch ships MKL inside libtorch_cpu and exports its CBLAS
-// packing API; the symbols are looked up when the library loads, so a torch built without
-// MKL (another architecture) loads these ops and sgemm_supported() says false.
+// float32. Inductor packs a frozen float32 linear for oneDNN when the token dimension is
+// dynamic (it uses MKL's packed SGEMM only for a fixed row count). At the row counts of decode
+// steps MKL's packed kernel is the faster one on two cores (SmolLM2's shapes, 2 threads,
+// GFLOP/s, MKL against oneDNN: 64 rows 255-285 against 191-236, 16 rows 170-266 against
+// 142-184, 1 row 2-4x; level from 256 rows on). torch ships MKL inside libtorch_cpu and
+// exports its CBLAS packing API; the symbols are looked up when the library loads, so a torch
+// built without MKL (another architecture) loads these ops and gemm_supported says false.
+//
+// bfloat16 (AMX). A decode step's linears read every weight for a few rows each: they are
+// bound by how fast the weights stream in, and oneDNN's kernels (brg_matmul on AMX) leave that
+// stream idle while the tiles compute (small's twelve layers, 151 MB, 2 cores: 7.1-7.7 ms at 1
+// row, 9.0-9.3 at 32, 11.3-12.2 at 64, where a plain read of the same bytes takes 6.3).
+// gemm_bf16_tiles keeps it busy: the weight is stored in the order the kernel reads it, B
+// tiles of 16 key pairs x 16 columns, and each thread prefetches its stream 32 KB ahead into
+// L2, spread over every pass of a block, while the tiles multiply: 5.5-6.3 ms at 1 row, 6.0-6.7
+// at 32, 8.7-9.8 at 64. Past kTileRows rows (prefill chunks, compute-bound) oneDNN's kernel is
+// the faster one again (level at 192 rows): those rows go to oneDNN's packed copy of the same
+// weight. Both sum the products in float32 and round once to bf16; they differ only in the
+// order of the sums (99.99% of outputs equal).
 //
 // A packed matrix must not move (MKL's note on cblas_sgemm_pack), so it never becomes a graph
 // constant that Inductor could copy: it lives here, named by an integer handle that the graph
-// carries, and is freed by sgemm_release when the compiled decoder that packed it goes away.
+// carries, and is freed by gemm_release when the compiled decoder that packed it goes away.
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_map>
+
+#include "amx.h"
 
 namespace {
 
@@ -50,7 +69,9 @@ const Mkl& mkl() {
 
 struct Packed {
   int64_t n, k;
-  at::Tensor buffer;  // MKL's packed B (the weight, transposed), never moved
+  at::ScalarType dtype;
+  at::Tensor buffer;  // float32: MKL's packed B (the weight, transposed); bf16: the weight in B tiles
+  at::Tensor onednn;  // bf16: oneDNN's packed copy, for rows past kTileRows
 };
 
 std::mutex registry_lock;
@@ -60,63 +81,216 @@ int64_t next_handle = 1;
 Packed lookup(int64_t handle) {
   std::lock_guard<std::mutex> g(registry_lock);
   auto it = registry.find(handle);
-  TORCH_CHECK(it != registry.end(), "sgemm_packed: no packed weight ", handle);
+  TORCH_CHECK(it != registry.end(), "gemm_packed: no packed weight ", handle);
   return it->second;
 }
 
-// The row count MKL is told at packing time: the packed B it returns serves any row count (a
-// test checks 1 to 2048 rows against F.linear); 64 is a decode step's.
-constexpr int kPackRows = 64;
-
-}  // namespace
-
-bool sgemm_supported() { return mkl().ok(); }
-
-// w [N, K] float32 -> a handle to its packed copy
-int64_t sgemm_pack(const at::Tensor& w) {
-  TORCH_CHECK(mkl().ok(), "sgemm_pack: this torch has no MKL");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(), "sgemm_pack: a 2-D float32 CPU weight");
-  auto wc = w.contiguous();
-  const int n = int(wc.size(0)), k = int(wc.size(1));
-  const size_t bytes = mkl().get_size(kBMatrix, kPackRows, n, k);
-  // The size MKL asks for is about twice the weight plus a few MB; only what it writes (about
-  // the weight's size) becomes resident.
-  auto buffer = at::empty({int64_t(bytes / sizeof(float)) + 16}, wc.options());
-  mkl().pack(kRowMajor, kBMatrix, kTrans, kPackRows, n, k, 1.0f, wc.data_ptr<float>(), k, buffer.data_ptr<float>());
+int64_t keep(Packed p) {
   std::lock_guard<std::mutex> g(registry_lock);
   const int64_t handle = next_handle++;
-  registry.emplace(handle, Packed{n, k, buffer});
+  registry.emplace(handle, std::move(p));
   return handle;
 }
 
-void sgemm_release(int64_t handle) {
+// The row count MKL is told at packing time: the packed B it returns serves any row count (a
+// test checks 1 to 2048 rows against F.linear); 64 is a decode step's. oneDNN takes it as a hint.
+constexpr int kPackRows = 64;
+
+// ---------------------------------------------------------------------------- float32: MKL
+
+at::Tensor pack_mkl(const at::Tensor& w) {
+  const int n = int(w.size(0)), k = int(w.size(1));
+  const size_t bytes = mkl().get_size(kBMatrix, kPackRows, n, k);
+  // The size MKL asks for is about twice the weight plus a few MB; only what it writes (about
+  // the weight's size) becomes resident.
+  auto buffer = at::empty({int64_t(bytes / sizeof(float)) + 16}, w.options());
+  mkl().pack(kRowMajor, kBMatrix, kTrans, kPackRows, n, k, 1.0f, w.data_ptr<float>(), k, buffer.data_ptr<float>());
+  return buffer;
+}
+
+void gemm_mkl(const Packed& p, const at::Tensor& x, at::Tensor& y) {
+  mkl().compute(kRowMajor, kNoTrans, kPacked, int(x.size(0)), int(p.n), int(p.k), x.data_ptr<float>(), int(p.k),
+                p.buffer.data_ptr<float>(), int(p.k), 0.0f, y.data_ptr<float>(), int(p.n));
+}
+
+// ---------------------------------------------------------------------------- bfloat16: oneDNN
+
+at::Tensor call(const char* op, std::vector<c10::IValue> stack) {
+  c10::Dispatcher::singleton().findSchemaOrThrow(op, "").callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+at::Tensor pack_onednn(const at::Tensor& w) {
+  return call("mkldnn::_reorder_linear_weight", {w, c10::IValue(int64_t(kPackRows))});
+}
+
+at::Tensor gemm_onednn(const Packed& p, const at::Tensor& x) {
+  return call("mkldnn::_linear_pointwise", {x, p.onednn, c10::IValue(), c10::IValue(std::string("none")),
+                                            c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()});
+}
+
+// ---------------------------------------------------------------------------- bfloat16: AMX tiles
+
+// Rows up to this many take the tile kernel (small's shapes, ms for the twelve layers, tiles
+// against oneDNN: 96 rows 12.0 / 15.4, 128 rows 14.5 / 18.0, 192 rows 19.8 / 20.3, 256 rows
+// 26.3 / 22.7).
+constexpr int64_t kTileRows = 128;
+// How far ahead of its reads each thread prefetches its weight stream (4, 16, 32 and 64 KB
+// measured: 32 and 64 level, 4 KB a third of the gain).
+constexpr int64_t kPrefetch = 32 * 1024;
+
+bool tiles_fit(int64_t n, int64_t k) { return n % 32 == 0 && k % 32 == 0; }
+
+#if defined(TOKENQ_AMX)
+// w [N, K] -> [N / 32][K / 32][2][16][16][2]: for each block of 32 columns and 32 keys, two B
+// tiles (columns 0-15, 16-31), each 16 key pairs x 16 columns x the pair; a block's tiles
+// follow each other in the order the kernel reads them.
+at::Tensor pack_tiles(const at::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1);
+  auto out = at::empty({N * K}, w.options());
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* d = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t nb = 0; nb < N / 32; ++nb)
+    for (int64_t kb = 0; kb < K / 32; ++kb)
+      for (int64_t t = 0; t < 2; ++t)
+        for (int64_t r = 0; r < 16; ++r)
+          for (int64_t c = 0; c < 16; ++c)
+            for (int64_t p = 0; p < 2; ++p) *d++ = s[(nb * 32 + t * 16 + c) * K + kb * 32 + 2 * r + p];
+  return out;
+}
+
+// y [M, N] = x [M, K] w^T, M <= kTileRows. Each thread takes a run of 32-column blocks; a
+// block is computed 32 rows at a time (16 where M <= 16) as four tiles: 2 row tiles of x (A,
+// read in place) times the block's 2 B tiles, summed over K. The rows past M are zeros (x is
+// copied into a padded buffer when M is not a multiple of 32).
+void gemm_tiles(const Packed& p, const at::Tensor& x, at::Tensor& y) {
+  const int64_t M = x.size(0), K = p.k, N = p.n, KB = K / 32, NB = N / 32, block = KB * 2048;
+  const int64_t Mp = (M + 31) / 32 * 32;
+  const bool one_tile = M <= 16;
+  at::Tensor xp = x;
+  if (Mp != M) {
+    xp = at::zeros({Mp, K}, x.options());
+    xp.narrow(0, 0, M).copy_(x);
+  }
+  const uint16_t* A = reinterpret_cast<const uint16_t*>(xp.data_ptr());
+  const char* B = reinterpret_cast<const char*>(p.buffer.data_ptr());
+  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    const TileConfig cfg;
+    _tile_loadconfig(&cfg);
+    alignas(64) float c[32 * 32];
+    // the stream is read once per pass of 32 rows: the prefetches of a block's bytes are
+    // spread over all its passes, so the loads run under every pass's products
+    const int64_t step = 2048 / (Mp / 32);
+    const char* ahead = B + b0 * block + kPrefetch;
+    const char* end = B + b1 * block;
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      const char* Bn = B + nb * block;
+      for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+        const uint16_t* A0 = A + m0 * K;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          for (int64_t l = 0; l < step; l += 64, ahead += 64)
+            if (ahead < end) _mm_prefetch(ahead, _MM_HINT_T1);
+          const char* bt = Bn + kb * 2048;
+          _tile_loadd(4, A0 + kb * 32, K * 2);
+          _tile_loadd(6, bt, 64);
+          _tile_loadd(7, bt + 1024, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (!one_tile) {
+            _tile_loadd(5, A0 + 16 * K + kb * 32, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, c, 128);
+        _tile_stored(1, c + 16, 128);
+        if (!one_tile) {
+          _tile_stored(2, c + 16 * 32, 128);
+          _tile_stored(3, c + 16 * 32 + 16, 128);
+        }
+        const int64_t rows = std::min<int64_t>(32, M - m0);
+        for (int64_t r = 0; r < rows; ++r) {  // round to bf16 (nearest even), 32 columns a row
+          const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(c + r * 32 + 16), _mm512_load_ps(c + r * 32));
+          _mm512_storeu_si512(Y + (m0 + r) * N + nb * 32, reinterpret_cast<__m512i>(v));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+bool tiles_usable() {
+#if defined(TOKENQ_AMX)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool gemm_supported(at::ScalarType dtype) {
+  if (dtype == at::kFloat) return mkl().ok();
+  return dtype == at::kBFloat16 && tiles_usable();
+}
+
+// w [N, K] (float32 or bf16) -> a handle to its packed copies
+int64_t gemm_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "gemm_pack: a 2-D CPU weight");
+  TORCH_CHECK(gemm_supported(w.scalar_type()), "gemm_pack: no packed kernel for ", w.scalar_type(), " here");
+  auto wc = w.contiguous();
+  Packed p{wc.size(0), wc.size(1), wc.scalar_type(), {}, {}};
+  if (p.dtype == at::kFloat) {
+    p.buffer = pack_mkl(wc);
+  } else {
+    p.onednn = pack_onednn(wc);
+#if defined(TOKENQ_AMX)
+    if (tiles_fit(p.n, p.k)) p.buffer = pack_tiles(wc);  // else every row count goes to oneDNN
+#endif
+  }
+  return keep(std::move(p));
+}
+
+void gemm_release(int64_t handle) {
   std::lock_guard<std::mutex> g(registry_lock);
   registry.erase(handle);
 }
 
-// x [M, K] float32 -> x @ w.T [M, N]
-at::Tensor sgemm_packed(const at::Tensor& x, int64_t handle) {
+// x [M, K] -> x @ w.T [M, N]
+at::Tensor gemm_packed(const at::Tensor& x, int64_t handle) {
   const Packed p = lookup(handle);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k && x.scalar_type() == at::kFloat, "sgemm_packed: x must be [M, ", p.k,
-              "] float32");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k && x.scalar_type() == p.dtype, "gemm_packed: x must be [M, ", p.k,
+              "] ", p.dtype);
   auto xc = x.contiguous();
   const int64_t m = xc.size(0);
+  if (p.dtype == at::kBFloat16 && !(p.buffer.defined() && m <= kTileRows)) return gemm_onednn(p, xc);
   auto y = at::empty({m, p.n}, xc.options());
   if (m == 0) return y;
-  mkl().compute(kRowMajor, kNoTrans, kPacked, int(m), int(p.n), int(p.k), xc.data_ptr<float>(), int(p.k),
-                p.buffer.data_ptr<float>(), int(p.k), 0.0f, y.data_ptr<float>(), int(p.n));
+  if (p.dtype == at::kFloat) {
+    gemm_mkl(p, xc, y);
+  } else {
+#if defined(TOKENQ_AMX)
+    gemm_tiles(p, xc, y);
+#endif
+  }
   return y;
 }
 
-at::Tensor sgemm_packed_meta(const at::Tensor& x, int64_t handle) {
+at::Tensor gemm_packed_meta(const at::Tensor& x, int64_t handle) {
   return at::empty_symint({x.sym_size(0), c10::SymInt(lookup(handle).n)}, x.options());
 }
 
 TORCH_LIBRARY_FRAGMENT(tokenq_native, m) {
-  m.def("sgemm_supported() -> bool", sgemm_supported);
-  m.def("sgemm_pack(Tensor w) -> int", sgemm_pack);
-  m.def("sgemm_release(int handle) -> ()", sgemm_release);
-  m.def("sgemm_packed(Tensor x, int handle) -> Tensor");
+  m.def("gemm_supported(ScalarType dtype) -> bool", gemm_supported);
+  m.def("gemm_pack(Tensor w) -> int", gemm_pack);
+  m.def("gemm_release(int handle) -> ()", gemm_release);
+  m.def("gemm_packed(Tensor x, int handle) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(tokenq_native, CPU, m) { m.impl("sgemm_packed", sgemm_packed); }
-TORCH_LIBRARY_IMPL(tokenq_native, Meta, m) { m.impl("sgemm_packed", sgemm_packed_meta); }
+TORCH_LIBRARY_IMPL(tokenq_native, CPU, m) { m.impl("gemm_packed", gemm_packed); }
+TORCH_LIBRARY_IMPL(tokenq_native, Meta, m) { m.impl("gemm_packed", gemm_packed_meta); }

@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "amx.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -196,8 +198,6 @@ void attend_one(const float* __restrict qf, const T* kp, const T* vp, const int6
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 // The AVX-512 path: slots are scored 16 at a time. Each slot's dot product is a few FMAs
 // into its own accumulator (bf16 K with AVX512-BF16: dot products of bf16 pairs straight
@@ -725,7 +725,6 @@ void prefill_avx2(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, 
 #endif  // __AVX512F__ / __AVX2__
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-bool amx_ready();
 template <int C>
 void attend_amx(const uint16_t* qb, const at::BFloat16* kp, const at::BFloat16* vp, const int64_t* table, int64_t lo,
                 int64_t hi, int64_t g, int64_t ps, int64_t page_stride, int64_t head_off, float fscale,
@@ -1043,21 +1042,6 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const
 // prefix, 2 cores: 2.2-2.7 ms a layer against 3.1-3.5 for the row-major kernel it replaced
 // (medians of 30 calls, the two run in turn). tests/test_native.py checks it against dense
 // attention (head sizes 32-256, windows, sinks).
-
-// Linux hands a thread AMX's tile registers only once the process has asked for them.
-bool amx_ready() {
-  static const bool ok = [] {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {  // palette 1: eight tiles of 16 rows x 64 bytes
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
 
 // Decode on AMX (bf16): pass 1's scores as tile products. The vector path's dot products and
 // the shuffle trees that sum them took most of its time (70% of it with the pages in L2), and

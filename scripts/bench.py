@@ -617,6 +617,15 @@ def measure_peak(dtype: str, device: str = "cpu") -> tuple[float, str]:
     return peaks[dtype]
 
 
+def measure_read(device: str = "cpu") -> float:
+    """The memory's read speed now (bench_flops.read_bandwidth), GB/s, also on stderr."""
+    from bench_flops import read_bandwidth
+
+    gbs = read_bandwidth(device)
+    print(f"  memory read: {gbs:.1f} GB/s (a sum over 256 MB)", file=sys.stderr, flush=True)
+    return gbs
+
+
 def _add_flops(results: list[Result], config: str, model, workload) -> None:
     """Each result of this config gets the linear FLOPs of the requests it ran (hf-single: the first N)."""
     from bench_flops import workload_flops
@@ -704,6 +713,7 @@ def main(argv=None) -> int:
     skipped: list[str] = []
     t_start = time.time()
     peak = measure_peak(args.dtype, args.device)
+    reads = [measure_read(args.device)]
     for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
         model, model_dir = build_model(config, args.seed, args.device, getattr(torch, args.dtype))
         wl = make_workload(args.requests, args.seed, model.config.vocab_size, prompt_rng, out_rng)
@@ -768,8 +778,10 @@ def main(argv=None) -> int:
     print(f"\n## tokenq benchmark: {args.requests} requests, prompts {prompt_rng}, outputs {out_rng}, "
           f"seed {args.seed}, greedy, EOS ignored; torch {torch.__version__}, {_where(args)}\n")
     peak = max(peak, measure_peak(args.dtype, args.device))  # and again after the systems ran: the better of the two
+    reads.append(measure_read(args.device))
     print(f"GEMM peak ({args.dtype}, best of a measurement before and one after the systems ran): {peak[0]:,.0f} GFLOP/s ({peak[1]}); "
-          f"MFU = the model's linear-layer GFLOP/s over it (scripts/bench_flops.py)\n")
+          f"MFU = the model's linear-layer GFLOP/s over it (scripts/bench_flops.py). Memory read before / after the "
+          f"systems ran: {reads[0]:.1f} / {reads[1]:.1f} GB/s (a sum over 256 MB; decode steps are bound by it)\n")
     print(main_table(results, peak[0]))
     print("\n### tokenq engine: KV cache and per-step overhead\n")
     print(engine_table(results))
@@ -819,6 +831,7 @@ def main(argv=None) -> int:
                     "wall_s": r.wall_s, "tok_s": r.tok_s, "ttft_mean": _mean(r.ttft), "ttft_p99": _p99(r.ttft),
                     "itl_mean": _mean(r.itl), "itl_p99": _p99(r.itl), "note": r.note, **r.extra}
         data = {"results": [dump(r) for r in results], "skipped": skipped, "gemm_peak_gflops": peak[0], "gemm_peak": peak[1],
+                "memory_read_gbs": reads,
                 "sweeps": {k: [{"value": v, "engine": dump(e), "ideal": dump(i) if i else None,
                                 "vllm": dump(p[0]) if p and p[0] else None} for v, _, e, i, _, *p in rows]
                            for k, rows in sweeps.items()}}

@@ -56,6 +56,26 @@ def gemm_peak(dtype: torch.dtype, device: str = "cpu", seconds: float = 1.5) -> 
     return 2 * M * K * N / best / 1e9, f"{how}, {M}x{K} by {K}x{N}, {threads}"
 
 
+def read_bandwidth(device: str = "cpu", mbytes: int = 256, seconds: float = 1.0) -> float:
+    """GB/s of a plain read (a sum) of ``mbytes`` MB, the best of several rounds: the memory-side
+    yardstick. A decode step reads every weight and the batch's K/V, so memory-bound steps move
+    with it; on a shared machine it drifts (16.6 to 23.8 GB/s within one session here) while
+    the GEMM peak stays put."""
+    dev = torch.device(device)
+    x = torch.ones(mbytes * 2**20 // 4, device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        x.sum()
+        sync()
+        best, end = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t = time.perf_counter()
+            x.sum()
+            sync()
+            best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
 def linear_weights(model) -> tuple[int, int]:
     """(weights in the layers' nn.Linear modules, weights of the LM head)."""
     head = model.get_output_embeddings()

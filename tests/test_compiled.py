@@ -182,6 +182,7 @@ def test_linears_run_through_packed_weights_freed_with_the_graph(dtype):
     handles = [h for L in fwd.decoder.layers for h in L.handles()]
     assert fwd.packed and len(handles) == 4 * len(fwd.decoder.layers) and layer.qkv_w is None
     assert fwd.onednn == (dtype == torch.bfloat16)  # bf16 rows past the tiles' go to oneDNN: padded
+    assert fwd.linears() == ("AMX tiles (oneDNN past 128 rows)" if dtype == torch.bfloat16 else "MKL's packed SGEMM")
     at = model.model.layers[0].self_attn
     for rows in (5, 200):  # bf16: AMX tiles, then oneDNN
         x = torch.randn(rows, model.config.hidden_size).to(dtype)

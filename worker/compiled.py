@@ -283,6 +283,12 @@ class CompiledForward:
         self.compile_s: float | None = None
         self.warm_sizes: set[int] = set()  # step sizes (tokens) already run once (see warm_sizes)
 
+    def linears(self) -> str:
+        """Which kernel runs the decoder's linears (for the engine's log line)."""
+        if self.packed:
+            return "MKL's packed SGEMM" if self.decoder.embed.dtype == torch.float32 else "AMX tiles (oneDNN past 128 rows)"
+        return "oneDNN, packed by Inductor" if self.onednn else "Inductor's (cuBLAS)"
+
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, meta) -> torch.Tensor:
         return self.head(self.hidden(ids, positions, meta).index_select(0, keep))
 
@@ -363,7 +369,7 @@ def get(model: nn.Module, max_len: int, device: torch.device, eager: nn.Module, 
     if reason is not None:
         return None, reason
     known[length, kernels, packed] = fwd
-    return fwd, f"compiled and checked in {fwd.compile_s:.1f} s"
+    return fwd, f"compiled and checked in {fwd.compile_s:.1f} s; linears: {fwd.linears()}"
 
 
 def warm_up(fwd: CompiledForward, model: nn.Module, eager: nn.Module, shape: dict, device, dtype,

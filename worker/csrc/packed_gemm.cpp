@@ -115,18 +115,22 @@ void gemm_mkl(const Packed& p, const at::Tensor& x, at::Tensor& y) {
 
 // ---------------------------------------------------------------------------- bfloat16: oneDNN
 
-at::Tensor call(const char* op, std::vector<c10::IValue> stack) {
-  c10::Dispatcher::singleton().findSchemaOrThrow(op, "").callBoxed(&stack);
+// torch's own oneDNN ops (what Inductor calls for a packed linear), boxed: their C++ types are
+// not part of torch's public headers
+at::Tensor call(const c10::OperatorHandle& op, std::vector<c10::IValue> stack) {
+  op.callBoxed(&stack);
   return stack[0].toTensor();
 }
 
 at::Tensor pack_onednn(const at::Tensor& w) {
-  return call("mkldnn::_reorder_linear_weight", {w, c10::IValue(int64_t(kPackRows))});
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_reorder_linear_weight", "");
+  return call(op, {w, c10::IValue(int64_t(kPackRows))});
 }
 
 at::Tensor gemm_onednn(const Packed& p, const at::Tensor& x) {
-  return call("mkldnn::_linear_pointwise", {x, p.onednn, c10::IValue(), c10::IValue(std::string("none")),
-                                            c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()});
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  return call(op, {x, p.onednn, c10::IValue(), c10::IValue(std::string("none")),
+                   c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()});
 }
 
 // ---------------------------------------------------------------------------- bfloat16: AMX tiles

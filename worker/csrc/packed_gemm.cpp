@@ -27,7 +27,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -163,39 +162,52 @@ at::Tensor pack_tiles(const at::Tensor& w) {
   return out;
 }
 
+// The tiles of a pass over `rows` rows (1-32): C 0-1 and A 4 hold the first 16, C 2-3 and A 5
+// the rest (unconfigured where there are none); B 6-7 are whole.
+TileConfig pass_tiles(int64_t rows) {
+  TileConfig cfg;
+  const auto r0 = uint8_t(std::min<int64_t>(16, rows)), r1 = uint8_t(std::max<int64_t>(0, rows - 16));
+  for (int t : {0, 1, 4}) cfg.rows[t] = r0;
+  for (int t : {2, 3, 5}) {
+    cfg.rows[t] = r1;
+    if (!r1) cfg.colsb[t] = 0;
+  }
+  return cfg;
+}
+
 // y [M, N] = x [M, K] w^T, M <= kTileRows. Each thread takes a run of 32-column blocks; a
-// block is computed 32 rows at a time (16 where M <= 16) as four tiles: 2 row tiles of x (A,
-// read in place) times the block's 2 B tiles, summed over K. The rows past M are zeros (x is
-// copied into a padded buffer when M is not a multiple of 32).
+// block is computed 32 rows at a time as four tiles: 2 row tiles of x (A, read in place) times
+// the block's 2 B tiles, summed over K. A last pass of fewer rows runs on tiles configured
+// that short (copying those rows into a zero-padded buffer cost 9-20 us a call).
 void gemm_tiles(const Packed& p, const at::Tensor& x, at::Tensor& y) {
   const int64_t M = x.size(0), K = p.k, N = p.n, KB = K / 32, NB = N / 32, block = KB * 2048;
-  const int64_t Mp = (M + 31) / 32 * 32;
-  const bool one_tile = M <= 16;
-  at::Tensor xp = x;
-  if (Mp != M) {
-    xp = at::zeros({Mp, K}, x.options());
-    xp.narrow(0, 0, M).copy_(x);
-  }
-  const uint16_t* A = reinterpret_cast<const uint16_t*>(xp.data_ptr());
+  const int64_t passes = (M + 31) / 32, whole = M / 32;  // passes, and those of 32 rows
+  const uint16_t* A = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const char* B = reinterpret_cast<const char*>(p.buffer.data_ptr());
   uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr());
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    const TileConfig cfg;
-    _tile_loadconfig(&cfg);
+    const TileConfig full = pass_tiles(32), last = pass_tiles(M - whole * 32);
+    const TileConfig* loaded = nullptr;
     alignas(64) float c[32 * 32];
-    // the stream is read once per pass of 32 rows: the prefetches of a block's bytes are
-    // spread over all its passes, so the loads run under every pass's products
-    const int64_t step = 2048 / (Mp / 32);
+    // the stream is read once per pass: the prefetches of a block's bytes are spread over all
+    // its passes, so the loads run under every pass's products
+    const int64_t step = 2048 / passes;
     const char* ahead = B + b0 * block + kPrefetch;
     const char* end = B + b1 * block;
     for (int64_t nb = b0; nb < b1; ++nb) {
       const char* Bn = B + nb * block;
-      for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const TileConfig* cfg = pass < whole ? &full : &last;
+        if (cfg != loaded) _tile_loadconfig(loaded = cfg);
+        const int64_t m0 = pass * 32, rows = std::min<int64_t>(32, M - m0);
+        const bool two = rows > 16;
         const uint16_t* A0 = A + m0 * K;
         _tile_zero(0);
         _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        if (two) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
         for (int64_t kb = 0; kb < KB; ++kb) {
           for (int64_t l = 0; l < step; l += 64, ahead += 64)
             if (ahead < end) _mm_prefetch(ahead, _MM_HINT_T1);
@@ -205,7 +217,7 @@ void gemm_tiles(const Packed& p, const at::Tensor& x, at::Tensor& y) {
           _tile_loadd(7, bt + 1024, 64);
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
-          if (!one_tile) {
+          if (two) {
             _tile_loadd(5, A0 + 16 * K + kb * 32, K * 2);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
@@ -213,11 +225,10 @@ void gemm_tiles(const Packed& p, const at::Tensor& x, at::Tensor& y) {
         }
         _tile_stored(0, c, 128);
         _tile_stored(1, c + 16, 128);
-        if (!one_tile) {
+        if (two) {
           _tile_stored(2, c + 16 * 32, 128);
           _tile_stored(3, c + 16 * 32 + 16, 128);
         }
-        const int64_t rows = std::min<int64_t>(32, M - m0);
         for (int64_t r = 0; r < rows; ++r) {  // round to bf16 (nearest even), 32 columns a row
           const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(c + r * 32 + 16), _mm512_load_ps(c + r * 32));
           _mm512_storeu_si512(Y + (m0 + r) * N + nb * 32, reinterpret_cast<__m512i>(v));

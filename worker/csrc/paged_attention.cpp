@@ -249,7 +249,23 @@ inline __m512 exp_neg16(__m512 x) {
 // threads: bf16 29.7 -> 25.7 ms, float32 46.7 -> 42.3 ms against one page ahead issued at
 // once; a plain read of the same pages runs at 28 GB/s (16.3 ms).
 constexpr int PFD = 2;
-constexpr auto PFH = _MM_HINT_T0;
+
+// Where those prefetches land: L1 on Intel (measured there as above), L2 on AMD. On an AMD EPYC
+// (Zen 4, 2 threads, the shapes above at 340 tokens, 519 MB of bf16 pages) into L1 the decode
+// kernel took 28-30 ms and 57 ms in float32, into L2 23.7-25.8 and 44-47 (into L3 25.7, past the
+// caches 28-32); with the pages L3-hot, 22 against 36 GB/s: the L1 prefetches evicted lines
+// still being read.
+const bool kPrefetchL2 = [] {
+  __builtin_cpu_init();
+  return bool(__builtin_cpu_is("amd"));
+}();
+
+inline void prefetch_line(const char* p) {
+  if (kPrefetchL2)
+    _mm_prefetch(p, _MM_HINT_T1);
+  else
+    _mm_prefetch(p, _MM_HINT_T0);
+}
 
 // The head's part of `count` pages from slot p0 on (stopping at hi), all at once: the first
 // pages a pass reads, before the pass prefetches a row at a time.
@@ -258,7 +274,7 @@ inline void prefetch_pages(const T* pool, const int64_t* table, int64_t p0, int6
                            int64_t page_stride, int64_t head_off, int64_t D) {
   for (int64_t d = 0; d < count && p0 < hi; p0 += ps, ++d) {
     const char* c = reinterpret_cast<const char*>(pool + table[p0 / ps] * page_stride + head_off);
-    for (int64_t x = 0; x < int64_t(ps * D * sizeof(T)); x += 64) _mm_prefetch(c + x, PFH);
+    for (int64_t x = 0; x < int64_t(ps * D * sizeof(T)); x += 64) prefetch_line(c + x);
   }
 }
 
@@ -277,7 +293,7 @@ inline __m512 scores16(const float* qf, const uint16_t* qb, const T* k, int64_t 
     for (int64_t t = 0; t < len; ++t) {
       const T* kt = k + t * 16 * C;
       if (pf)
-        for (int x = 0; x < int(16 * C * sizeof(T)); x += 64) _mm_prefetch(pf + t * 16 * C * sizeof(T) + x, PFH);
+        for (int x = 0; x < int(16 * C * sizeof(T)); x += 64) prefetch_line(pf + t * 16 * C * sizeof(T) + x);
       __m512 a = _mm512_setzero_ps();
       for (int c = 0; c < C / 2; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kt + 32 * c));
       acc[PERM[t]] = a;
@@ -290,7 +306,7 @@ inline __m512 scores16(const float* qf, const uint16_t* qb, const T* k, int64_t 
   for (int64_t t = 0; t < len; ++t) {
     const T* kt = k + t * 16 * C;
     if (pf)
-      for (int x = 0; x < int(16 * C * sizeof(T)); x += 64) _mm_prefetch(pf + t * 16 * C * sizeof(T) + x, PFH);
+      for (int x = 0; x < int(16 * C * sizeof(T)); x += 64) prefetch_line(pf + t * 16 * C * sizeof(T) + x);
     __m512 a = _mm512_mul_ps(qv[0], load16(kt));
     for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(kt + 16 * c), a);
     acc[PERM[t]] = a;
@@ -327,7 +343,7 @@ void weigh_values(const T* vp, const int64_t* table, int64_t lo, int64_t hi, int
         for (int c = 0; c < C; ++c) o[j][c] = j < jn ? _mm512_loadu_ps(a0 + j * D + 16 * c) : _mm512_setzero_ps();
       for (int64_t t = 0; t < len; ++t) {
         if (vn && j0 == 0)
-          for (int x = 0; x < int(D * sizeof(T)); x += 64) _mm_prefetch(vn + t * D * sizeof(T) + x, PFH);
+          for (int x = 0; x < int(D * sizeof(T)); x += 64) prefetch_line(vn + t * D * sizeof(T) + x);
         __m512 v[C];
         for (int c = 0; c < C; ++c) v[c] = load16(vb + t * D + 16 * c);
         for (int j = 0; j < JB; ++j) {
@@ -857,6 +873,14 @@ inline __mmask16 key_lanes(int64_t b0, int64_t first, int64_t pos) {
 // BK keys are broadcast-FMAs over D), then an online softmax per row, then the weighted sum of
 // the block's V rows for PR rows at once. SDPA on the same chunks ran at 80 GFLOP/s here
 // (2 cores); this at about 240.
+//
+// bf16 with AVX512-BF16 (and no AMX: prefill_amx below): both products as dot products of bf16
+// pairs, as prefill_amx takes them: keys transposed as pairs of columns (one pair per 32-bit
+// lane), each row's query pairs broadcast, the scale applied to the sums; the probabilities
+// rounded to bf16 and paired over keys against the block's V rows paired the same way (their
+// sum is not rounded). Half the instructions of the float32 loops: SmolLM2's shapes, 2,052
+// tokens in 9 chunks, an AMD EPYC (Zen 4, 2 cores): 2.7-2.9 ms a layer (186-204 GFLOP/s)
+// against 4.2-4.4 (122-130) converting to float32.
 constexpr int BQ = 16;  // positions per work item
 constexpr int BK = 64;  // keys per block
 constexpr int RB = 6;   // rows per score tile (RB x BK / 16 accumulators)
@@ -867,6 +891,12 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const
              int64_t page_stride, int64_t head_stride, float scale, int64_t window, const float* sinks, T* out) {
   constexpr int C4 = D / 16;
   constexpr int PR = 16 / C4;  // rows per V tile (PR x C4 = 16 accumulators)
+  constexpr int W = D / 2;     // bf16 pairs a row
+#if defined(__AVX512BF16__)
+  constexpr bool pairs = std::is_same_v<T, at::BFloat16>;  // both products on bf16 pairs
+#else
+  constexpr bool pairs = false;
+#endif
   const int64_t g = H / kvh;
   const PrefillPlan pl = plan_prefill(starts, lens, C, kvh, D, window, BQ, BK);
   const auto &row0 = pl.row0, &span = pl.span, &ktoff = pl.ktoff, &bound = pl.bound;
@@ -884,6 +914,25 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const
       const int64_t c = it / kvh, h = it % kvh, ctx = starts[c] + lens[c], n = span[c];
       const int64_t* table = tables + offsets[c];
       float* dst = kt.data() + ktoff[it];
+      if constexpr (pairs) {  // [W][BK] pairs a block, half of the float32 tile's room
+        uint32_t* rows = reinterpret_cast<uint32_t*>(tile);
+        uint32_t* dp = reinterpret_cast<uint32_t*>(kt.data() + ktoff[it]);
+        const __m512i pidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm512_set1_epi32(W));
+        for (int64_t t0 = 0; t0 < n; t0 += 16) {
+          for (int64_t t = 0; t < 16; ++t) {
+            const int64_t k = t0 + t;
+            if (k < ctx)
+              std::memcpy(rows + t * W, kp + table[k / ps] * page_stride + h * head_stride + (k % ps) * D, D * 2);
+            else
+              std::fill(rows + t * W, rows + (t + 1) * W, 0u);
+          }
+          uint32_t* blk = dp + t0 / BK * W * BK + t0 % BK;
+          for (int64_t w = 0; w < W; ++w)
+            _mm512_storeu_si512(blk + w * BK, _mm512_i32gather_epi32(pidx, rows + w, 4));
+        }
+        continue;
+      }
       for (int64_t t0 = 0; t0 < n; t0 += 16) {
         for (int64_t t = 0; t < 16; ++t) {
           const int64_t k = t0 + t;
@@ -912,7 +961,10 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const
         for (int64_t i = 0; i < nq; ++i) {
           float* dst = Q.data() + (j * nq + i) * D;
           const T* src = q + (first_row + i) * qs0 + (it.h * g + j) * qs1;
-          for (int64_t d = 0; d < D; ++d) dst[d] = float(src[d]) * scale;
+          if constexpr (pairs)  // the row's bf16 as they are (pairs), the scale applied to the sums
+            std::memcpy(dst, src, D * 2);
+          else
+            for (int64_t d = 0; d < D; ++d) dst[d] = float(src[d]) * scale;
         }
       std::fill(Q.begin() + R * D, Q.begin() + Rp * D, 0.f);
       std::fill(O.begin(), O.begin() + R * D, 0.f);
@@ -929,12 +981,30 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const
             for (int z = 0; z < BK / 16; ++z) acc[r][z] = _mm512_setzero_ps();
           const float* qb = Q.data() + r0 * D;
           const float* Kb = Kt + k0 * D;  // the block's D x BK tile
-          for (int d = 0; d < D; ++d) {
-            __m512 kv[BK / 16];
-            for (int z = 0; z < BK / 16; ++z) kv[z] = _mm512_loadu_ps(Kb + d * BK + 16 * z);
-            for (int r = 0; r < RB; ++r) {
-              const __m512 qv = _mm512_set1_ps(qb[r * D + d]);
-              for (int z = 0; z < BK / 16; ++z) acc[r][z] = _mm512_fmadd_ps(qv, kv[z], acc[r][z]);
+          if constexpr (pairs) {
+#if defined(__AVX512BF16__)
+            const uint32_t* qp = reinterpret_cast<const uint32_t*>(qb);  // row r's pairs at r * D (a float row's room)
+            const uint32_t* Kp = reinterpret_cast<const uint32_t*>(Kt) + k0 * W;  // the block's W x BK pairs
+            for (int w = 0; w < W; ++w) {
+              __m512bh kv[BK / 16];
+              for (int z = 0; z < BK / 16; ++z) kv[z] = (__m512bh)_mm512_loadu_si512(Kp + w * BK + 16 * z);
+              for (int r = 0; r < RB; ++r) {
+                const __m512bh qv = (__m512bh)_mm512_set1_epi32(int(qp[r * D + w]));
+                for (int z = 0; z < BK / 16; ++z) acc[r][z] = _mm512_dpbf16_ps(acc[r][z], qv, kv[z]);
+              }
+            }
+            const __m512 vs = _mm512_set1_ps(scale);
+            for (int r = 0; r < RB; ++r)
+              for (int z = 0; z < BK / 16; ++z) acc[r][z] = _mm512_mul_ps(acc[r][z], vs);
+#endif
+          } else {
+            for (int d = 0; d < D; ++d) {
+              __m512 kv[BK / 16];
+              for (int z = 0; z < BK / 16; ++z) kv[z] = _mm512_loadu_ps(Kb + d * BK + 16 * z);
+              for (int r = 0; r < RB; ++r) {
+                const __m512 qv = _mm512_set1_ps(qb[r * D + d]);
+                for (int z = 0; z < BK / 16; ++z) acc[r][z] = _mm512_fmadd_ps(qv, kv[z], acc[r][z]);
+              }
             }
           }
           for (int r = 0; r < RB; ++r)
@@ -976,6 +1046,53 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const
         }
         // the block's V rows (float32), weighted into each row's sums, PR rows at a time
         const int64_t tn = std::min<int64_t>(BK, ctx - k0);
+        if constexpr (pairs) {
+#if defined(__AVX512BF16__)
+          // V rows 2u and 2u + 1 as one row of pairs (zero past the last key), the
+          // probabilities of those keys as one bf16 pair a row
+          const int64_t tu = (tn + 1) / 2;
+          uint32_t* vpair = reinterpret_cast<uint32_t*>(vf.data());
+          for (int64_t u = 0; u < tu; ++u) {
+            const int64_t k = k0 + 2 * u;
+            const T* a = vp + table[k / ps] * page_stride + it.h * head_stride + (k % ps) * D;
+            const T* b = 2 * u + 1 < tn ? vp + table[(k + 1) / ps] * page_stride + it.h * head_stride + ((k + 1) % ps) * D
+                                        : nullptr;
+            for (int c = 0; c < C4; ++c) {
+              const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(a + 16 * c)));
+              const __m512i hi = b ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(b + 16 * c))), 16)
+                                   : _mm512_setzero_si512();
+              _mm512_storeu_si512(vpair + u * D + 16 * c, _mm512_or_si512(lo, hi));
+            }
+          }
+          uint32_t* ppair = reinterpret_cast<uint32_t*>(S.data());  // the scores are spent: W pairs a row
+          for (int64_t row = 0; row < R; ++row)
+            for (int z = 0; z < BK / 32; ++z) {
+              const float* pr = P.data() + row * BK + 32 * z;
+              _mm512_storeu_si512(ppair + row * (BK / 2) + 16 * z,
+                                  (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(pr + 16), _mm512_loadu_ps(pr)));
+            }
+          int64_t r0 = 0;
+          for (; r0 < R; r0 += PR) {
+            const int64_t rn = std::min<int64_t>(PR, R - r0);
+            __m512 o[PR][C4];
+            for (int r = 0; r < PR; ++r)
+              for (int c = 0; c < C4; ++c)
+                o[r][c] = r < rn ? _mm512_loadu_ps(O.data() + (r0 + r) * D + 16 * c) : _mm512_setzero_ps();
+            for (int64_t u = 0; u < tu; ++u) {
+              __m512bh v[C4];
+              for (int c = 0; c < C4; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vpair + u * D + 16 * c);
+              for (int r = 0; r < PR; ++r) {
+                if (r >= rn) break;
+                const __m512bh w = (__m512bh)_mm512_set1_epi32(int(ppair[(r0 + r) * (BK / 2) + u]));
+                for (int c = 0; c < C4; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], w, v[c]);
+              }
+            }
+            for (int r = 0; r < PR && r < rn; ++r)
+              for (int c = 0; c < C4; ++c) _mm512_storeu_ps(O.data() + (r0 + r) * D + 16 * c, o[r][c]);
+          }
+          continue;
+#endif
+        }
         const float* vrow[BK];
         for (int64_t t = 0; t < tn; ++t) {
           const int64_t k = k0 + t;
@@ -1092,7 +1209,7 @@ void attend_amx(const uint16_t* qb, const at::BFloat16* kp, const at::BFloat16* 
       const at::BFloat16* kb = page + a * D;
       const int64_t at = p0 + a - lo;
       if (kn)
-        for (int64_t x = 0; x < 16 * D * 2; x += 64) _mm_prefetch(kn + a * D * 2 + x, PFH);
+        for (int64_t x = 0; x < 16 * D * 2; x += 64) prefetch_line(kn + a * D * 2 + x);
       if (a + 16 > ps) {  // part way into the page: 16 rows would run past it
         alignas(64) float tmp[16];
         const int64_t len = std::min<int64_t>(16, pb - a);

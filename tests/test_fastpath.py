@@ -168,13 +168,14 @@ def test_merged_projections_any_order_any_input(pack):
 
 @pytest.mark.parametrize("pick", ["here", "other"])
 def test_bfloat16_fast_path_agrees_with_eager(pick, monkeypatch):
-    """bf16 linears run on AMX tiles where the CPU has AMX (worker/csrc/packed_gemm.cpp) and as
-    oneDNN's packed linears elsewhere: both held to eager ("other": the kernel not picked here)."""
+    """bf16 linears run on AMX tiles where the CPU has AMX, on AVX512-BF16 dot products where
+    it has that alone (worker/csrc/packed_gemm.cpp), and as oneDNN's packed linears elsewhere:
+    each held to eager ("other": oneDNN where a packed kernel is picked here)."""
     from worker import native
 
     if pick == "other":
         if not native.packed_gemm_usable(torch.bfloat16):
-            pytest.skip("no AMX here: oneDNN's linears are the only bf16 kernel")
+            pytest.skip("no AMX or AVX512-BF16 here: oneDNN's linears are the only bf16 kernel")
         monkeypatch.setattr(native, "packed_gemm_preferred", lambda dtype: False)
     model = tiny_model("llama", dtype=torch.bfloat16, seed=5)
     prompts, params = _workload(seed=7, n=48)

@@ -6,9 +6,9 @@ layer, 15-35 us each in bfloat16 on a CPU, more time than the layer's GEMMs at d
 sizes. Here the same computation is written once as plain tensor code over the model's
 weights and compiled whole by Inductor, which fuses those ops into a few loops, packs the
 frozen weights for oneDNN and merges nothing the code does not merge itself (q/k/v and
-gate/up are concatenated here). On a CPU with AMX, bf16 linears are packed into AMX tiles
-instead, and in float32 on an Intel CPU for MKL's SGEMM (worker/csrc/packed_gemm.cpp): the
-faster kernels there at decode row counts.
+gate/up are concatenated here). bf16 linears are packed into AMX tiles instead on a CPU with
+AMX, for AVX512-BF16 dot products on one without, and float32 on an Intel CPU for MKL's SGEMM
+(worker/csrc/packed_gemm.cpp): the faster kernels there at decode row counts.
 
 One graph serves every step:
 
@@ -286,7 +286,7 @@ class CompiledForward:
     def linears(self) -> str:
         """Which kernel runs the decoder's linears (for the engine's log line)."""
         if self.packed:
-            return "MKL's packed SGEMM" if self.decoder.embed.dtype == torch.float32 else "AMX tiles (oneDNN past 128 rows)"
+            return native.packed_gemm_kernel(self.decoder.embed.dtype)
         return "oneDNN, packed by Inductor" if self.onednn else "Inductor's (cuBLAS)"
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, meta) -> torch.Tensor:

@@ -14,7 +14,9 @@ head sizes 32 to 256) takes every chunk of the step in one call, reads keys and 
 pool in place and runs at about 240 GFLOP/s with AVX-512 (60 with AVX2 on an AMD EPYC, where
 SDPA reached 42); elsewhere SDPA stays. In bfloat16 on a CPU with AMX the kernel runs both
 products as AMX tile products (prefill_amx): 400 GFLOP/s on SmolLM2's chunks, where torch's
-SDPA (AMX too, each chunk gathered out of the pool first) reached 230 and the vector loops 140.
+SDPA (AMX too, each chunk gathered out of the pool first) reached 230 and the vector loops 140;
+with AVX512-BF16 alone as dot products of bf16 pairs (186-204 GFLOP/s on an AMD EPYC, against
+122-130 converting to float32).
 
 It is compiled on first use with the machine's own compiler (``-march=native``; 15-20 s,
 which ``tokenq-worker`` spends while the model loads) as a library of torch ops
@@ -39,7 +41,7 @@ import torch
 
 log = logging.getLogger("tokenq.native")
 
-# paged attention, the compiled forward's packed linears (float32: MKL; bf16: AMX tiles), greedy picks
+# paged attention, the compiled forward's packed linears (float32: MKL; bf16: AMX tiles or AVX512-BF16), greedy picks
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "greedy.cpp")]
 HEADERS = [Path(__file__).with_name("csrc") / "amx.h"]  # part of the build's key, not compiled alone
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -204,14 +206,20 @@ _EMPTY_LONG = torch.empty(0, dtype=torch.long)
 
 def packed_gemm_usable(dtype: torch.dtype) -> bool:
     """Whether linears in ``dtype`` can run through weights packed here (worker/csrc/packed_gemm.cpp):
-    float32 through MKL's packed SGEMM (a torch with MKL), bf16 on AMX tiles (a CPU with AMX)."""
+    float32 through MKL's packed SGEMM (a torch with MKL), bf16 on AMX tiles (a CPU with AMX) or
+    AVX512-BF16 dot products (one without)."""
     return load() is not None and bool(_module.gemm_supported(dtype))
 
 
+def packed_gemm_kernel(dtype: torch.dtype) -> str:
+    """Which kernel serves packed linears in ``dtype`` here, in words (the engine's log line)."""
+    return _module.gemm_kernel(dtype) if load() is not None else "none"
+
+
 def packed_gemm_preferred(dtype: torch.dtype) -> bool:
-    """Whether linears in ``dtype`` should take the packed kernels here: bf16 wherever AMX is
-    (decode steps' linears read their weights at the memory's speed there, oneDNN's did not:
-    worker/csrc/packed_gemm.cpp); float32 where MKL is usable and the CPU is Intel's. At decode
+    """Whether linears in ``dtype`` should take the packed kernels here: bf16 wherever AMX or
+    AVX512-BF16 is (decode steps' linears overlap reading their weights with their products
+    there, oneDNN's did not: worker/csrc/packed_gemm.cpp); float32 where MKL is usable and the CPU is Intel's. At decode
     row counts (SmolLM2's shapes, 2 threads) MKL beat oneDNN's packed linears on an Intel Xeon
     (AVX-512: decode steps 6-15% faster) and lost on an AMD EPYC (AVX2: decode steps at 64 / 16 /
     1 sequences 220 / 114 / 63 ms against oneDNN's 193 / 76 / 39; MKL's kernels there ran no

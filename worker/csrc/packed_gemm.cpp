@@ -1,5 +1,6 @@
 // Linears through weights packed once, for the compiled forward (worker/compiled.py): float32
-// through MKL's packed SGEMM, bfloat16 through AMX tile products at decode row counts.
+// through MKL's packed SGEMM, bfloat16 at decode row counts through AMX tile products, or where
+// there is no AMX through AVX512-BF16 dot products (gemm_pairs, below).
 //
 // float32. Inductor packs a frozen float32 linear for oneDNN when the token dimension is
 // dynamic (it uses MKL's packed SGEMM only for a fixed row count). At the row counts of decode
@@ -13,7 +14,7 @@
 // bound by how fast the weights stream in, and oneDNN's kernels (brg_matmul on AMX) leave that
 // stream idle while the tiles compute (small's twelve layers, 151 MB, 2 cores: 7.1-7.7 ms at 1
 // row, 9.0-9.3 at 32, 11.3-12.2 at 64, where a plain read of the same bytes takes 6.3).
-// gemm_bf16_tiles keeps it busy: the weight is stored in the order the kernel reads it, B
+// gemm_tiles keeps it busy: the weight is stored in the order the kernel reads it, B
 // tiles of 16 key pairs x 16 columns, and each thread prefetches its stream 32 KB ahead into
 // L2, spread over every pass of a block, while the tiles multiply: 5.5-6.3 ms at 1 row, 6.0-6.7
 // at 32, 8.7-9.8 at 64. Past kTileRows rows (prefill chunks, compute-bound) oneDNN's kernel is
@@ -33,8 +34,15 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <array>
 #include <mutex>
+#include <string>
+#include <utility>
 #include <unordered_map>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "amx.h"
 
@@ -69,8 +77,9 @@ const Mkl& mkl() {
 struct Packed {
   int64_t n, k;
   at::ScalarType dtype;
-  at::Tensor buffer;  // float32: MKL's packed B (the weight, transposed); bf16: the weight in B tiles
+  at::Tensor buffer;  // float32: MKL's packed B (the weight, transposed); bf16: the weight in B tiles or pairs
   at::Tensor onednn;  // bf16: oneDNN's packed copy, for rows past kTileRows
+  bool tiles = false;  // bf16: buffer holds AMX tiles (else key pairs for gemm_pairs)
 };
 
 std::mutex registry_lock;
@@ -240,6 +249,93 @@ void gemm_tiles(const Packed& p, const at::Tensor& x, at::Tensor& y) {
 }
 #endif
 
+// ---------------------------------------------------------------------------- bfloat16: AVX512-BF16
+
+// The same idea without AMX (AMD EPYC, Zen 4): oneDNN's kernel (avx512_core_bf16) streams a
+// decode step's weights in without overlapping that with its products, so each linear takes
+// about the sum of its read and its arithmetic (SmolLM2's gate/up, 3.5 MB: 16 rows 215 us, where
+// the read alone takes 110 and the products 127). gemm_pairs stores the weight as the kernel
+// reads it, 32 columns x 2 keys (one pair per 32-bit lane, two vectors) for each pair of keys
+// of a 32-column panel, multiplies 12 rows at a time (24 accumulators, VDPBF16PS: each row's
+// key pair broadcast against the panel's two vectors) and prefetches the weight stream 32 KB
+// ahead into L2, spread over the panel's passes.
+#if defined(__AVX512BF16__)
+// Rows up to this many take gemm_pairs (2 threads, ms for the layers' linears, pairs against
+// oneDNN: SmolLM2 1 row 7.7 / 11.8, 16 rows 10.3 / 14.7, 32 rows 18.3 / 23.0, 64 rows 34.3 /
+// 39.5, 128 rows 66.9 / 69.2, 256 rows 135 / 133; small 32 rows 13.7 / 14.4, 64 rows 25.2 / 25.1,
+// 128 rows 49.1 / 47.3).
+constexpr int64_t kPairRows = 64;
+constexpr int kRowsPass = 12;  // rows a pass: 2 x 12 accumulators + 2 weight vectors + 1 row pair
+
+// w [N, K] -> [N / 32][K / 2][32][2]
+at::Tensor pack_pairs(const at::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1);
+  auto out = at::empty({N * K}, w.options());
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* d = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t nb = 0; nb < N / 32; ++nb)
+    for (int64_t p = 0; p < K / 2; ++p)
+      for (int64_t c = 0; c < 32; ++c)
+        for (int64_t e = 0; e < 2; ++e) *d++ = s[(nb * 32 + c) * K + 2 * p + e];
+  return out;
+}
+
+// The prefetch stream: `step` bytes (a fraction of a line allowed) for every 4 key pairs read.
+struct Stream {
+  const char* ahead;
+  const char* end;
+  int64_t step, owed = 0;
+  void advance() {
+    for (owed += step; owed >= 64; owed -= 64, ahead += 64)
+      if (ahead < end) _mm_prefetch(ahead, _MM_HINT_T1);
+  }
+};
+
+// y[m0 .. m0 + R) of one panel (32 columns from col): the rows' key pairs against the panel's
+template <int R>
+void pass_pairs(const uint32_t* A, int64_t KP, const char* B, uint16_t* Y, int64_t N, Stream& st) {
+  __m512 c0[R], c1[R];
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < KP; ++p) {
+    if ((p & 3) == 0) st.advance();
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(B + p * 128), b1 = (__m512bh)_mm512_loadu_si512(B + p * 128 + 64);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int(A[r * KP + p]));
+      c0[r] = _mm512_dpbf16_ps(c0[r], a, b0);
+      c1[r] = _mm512_dpbf16_ps(c1[r], a, b1);
+    }
+  }
+  for (int r = 0; r < R; ++r)  // round to bf16 (nearest even), 32 columns a row
+    _mm512_storeu_si512(Y + r * N, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(c1[r], c0[r])));
+}
+
+using PassFn = void (*)(const uint32_t*, int64_t, const char*, uint16_t*, int64_t, Stream&);
+template <int... R>
+constexpr std::array<PassFn, sizeof...(R)> pass_table(std::integer_sequence<int, R...>) {
+  return {pass_pairs<R + 1>...};
+}
+constexpr auto kPasses = pass_table(std::make_integer_sequence<int, kRowsPass>());  // kPasses[r - 1]: r rows
+
+// y [M, N] = x [M, K] w^T, M <= kTileRows: each thread a run of 32-column panels, each panel
+// kRowsPass rows a pass (the last pass the rest).
+void gemm_pairs(const Packed& p, const at::Tensor& x, at::Tensor& y) {
+  const int64_t M = x.size(0), K = p.k, N = p.n, KP = K / 2, NB = N / 32, panel = KP * 128;
+  const int64_t passes = (M + kRowsPass - 1) / kRowsPass;
+  const uint32_t* A = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  const char* B = reinterpret_cast<const char*>(p.buffer.data_ptr());
+  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    // a panel's bytes are prefetched over all its passes (512 bytes of weight every 4 key pairs)
+    Stream st{B + b0 * panel + kPrefetch, B + b1 * panel, 512 / passes};
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsPass) {
+        const int64_t rows = std::min<int64_t>(kRowsPass, M - m0);
+        kPasses[rows - 1](A + m0 * KP, KP, B + nb * panel, Y + m0 * N + nb * 32, N, st);
+      }
+  });
+}
+#endif
+
 bool tiles_usable() {
 #if defined(TOKENQ_AMX)
   return amx_ready();
@@ -248,11 +344,39 @@ bool tiles_usable() {
 #endif
 }
 
+bool pairs_usable() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The most rows a bf16 step sends to the packed kernel (more go to oneDNN's copy)
+int64_t bf16_rows(const Packed& p) {
+#if defined(__AVX512BF16__)
+  if (!p.tiles) return kPairRows;
+#endif
+  return kTileRows;
+}
+
 }  // namespace
 
 bool gemm_supported(at::ScalarType dtype) {
   if (dtype == at::kFloat) return mkl().ok();
-  return dtype == at::kBFloat16 && tiles_usable();
+  return dtype == at::kBFloat16 && (tiles_usable() || pairs_usable());
+}
+
+// Which kernel serves linears in dtype here (the engine's log line)
+std::string gemm_kernel(at::ScalarType dtype) {
+  if (!gemm_supported(dtype)) return "none";
+  if (dtype == at::kFloat) return "MKL's packed SGEMM";
+  if (tiles_usable()) return "AMX tiles (oneDNN past " + std::to_string(kTileRows) + " rows)";
+#if defined(__AVX512BF16__)
+  return "AVX512-BF16 vectors (oneDNN past " + std::to_string(kPairRows) + " rows)";
+#else
+  return "none";
+#endif
 }
 
 // w [N, K] (float32 or bf16) -> a handle to its packed copies
@@ -260,13 +384,20 @@ int64_t gemm_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "gemm_pack: a 2-D CPU weight");
   TORCH_CHECK(gemm_supported(w.scalar_type()), "gemm_pack: no packed kernel for ", w.scalar_type(), " here");
   auto wc = w.contiguous();
-  Packed p{wc.size(0), wc.size(1), wc.scalar_type(), {}, {}};
+  Packed p{wc.size(0), wc.size(1), wc.scalar_type(), {}, {}, false};
   if (p.dtype == at::kFloat) {
     p.buffer = pack_mkl(wc);
   } else {
     p.onednn = pack_onednn(wc);
+    // where the weight's shape does not fit the kernel, every row count goes to oneDNN
 #if defined(TOKENQ_AMX)
-    if (tiles_fit(p.n, p.k)) p.buffer = pack_tiles(wc);  // else every row count goes to oneDNN
+    if (tiles_usable() && tiles_fit(p.n, p.k)) {
+      p.buffer = pack_tiles(wc);
+      p.tiles = true;
+    }
+#endif
+#if defined(__AVX512BF16__)
+    if (!p.tiles && p.n % 32 == 0 && p.k % 2 == 0) p.buffer = pack_pairs(wc);
 #endif
   }
   return keep(std::move(p));
@@ -284,14 +415,17 @@ at::Tensor gemm_packed(const at::Tensor& x, int64_t handle) {
               "] ", p.dtype);
   auto xc = x.contiguous();
   const int64_t m = xc.size(0);
-  if (p.dtype == at::kBFloat16 && !(p.buffer.defined() && m <= kTileRows)) return gemm_onednn(p, xc);
+  if (p.dtype == at::kBFloat16 && !(p.buffer.defined() && m <= bf16_rows(p))) return gemm_onednn(p, xc);
   auto y = at::empty({m, p.n}, xc.options());
   if (m == 0) return y;
   if (p.dtype == at::kFloat) {
     gemm_mkl(p, xc, y);
   } else {
 #if defined(TOKENQ_AMX)
-    gemm_tiles(p, xc, y);
+    if (p.tiles) gemm_tiles(p, xc, y);
+#endif
+#if defined(__AVX512BF16__)
+    if (!p.tiles) gemm_pairs(p, xc, y);
 #endif
   }
   return y;
@@ -303,6 +437,7 @@ at::Tensor gemm_packed_meta(const at::Tensor& x, int64_t handle) {
 
 TORCH_LIBRARY_FRAGMENT(tokenq_native, m) {
   m.def("gemm_supported(ScalarType dtype) -> bool", gemm_supported);
+  m.def("gemm_kernel(ScalarType dtype) -> str", gemm_kernel);
   m.def("gemm_pack(Tensor w) -> int", gemm_pack);
   m.def("gemm_release(int handle) -> ()", gemm_release);
   m.def("gemm_packed(Tensor x, int handle) -> Tensor");

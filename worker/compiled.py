@@ -268,10 +268,10 @@ class CompiledForward:
         self.windows = [int(w or 0) for _, w, _ in self.specs]
         attend = torch.ops.tokenq_native.attend if native_attention else torch.ops.tokenq.paged_attention
         self.packed = packed_linears(model) if packed is None else packed
-        # some linears are oneDNN's (packed by Inductor, or bf16 steps past the AMX kernel's rows):
-        # each new row count costs a primitive (ROW_STEP)
+        # some linears are oneDNN's (packed by Inductor, or steps past the packed kernel's rows,
+        # all but MKL's): each new row count costs a primitive (ROW_STEP)
         w = next(model.parameters())
-        self.onednn = w.device.type == "cpu" and (not self.packed or w.dtype == torch.bfloat16)
+        self.onednn = w.device.type == "cpu" and (not self.packed or native.packed_gemm_kernel(w.dtype) != native.MKL)
         self.decoder = Decoder(model, max_len, attend, self.packed).eval()
         self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
         # Each decoder is its own graph (its weights are frozen into it; Dynamo guards on the

@@ -211,6 +211,9 @@ def packed_gemm_usable(dtype: torch.dtype) -> bool:
     return load() is not None and bool(_module.gemm_supported(dtype))
 
 
+MKL = "MKL's packed SGEMM"  # packed_gemm_kernel's name for it
+
+
 def packed_gemm_kernel(dtype: torch.dtype) -> str:
     """Which kernel serves packed linears in ``dtype`` here, in words (the engine's log line)."""
     return _module.gemm_kernel(dtype) if load() is not None else "none"
@@ -218,15 +221,17 @@ def packed_gemm_kernel(dtype: torch.dtype) -> str:
 
 def packed_gemm_preferred(dtype: torch.dtype) -> bool:
     """Whether linears in ``dtype`` should take the packed kernels here: bf16 wherever AMX or
-    AVX512-BF16 is (decode steps' linears overlap reading their weights with their products
-    there, oneDNN's did not: worker/csrc/packed_gemm.cpp); float32 where MKL is usable and the CPU is Intel's. At decode
-    row counts (SmolLM2's shapes, 2 threads) MKL beat oneDNN's packed linears on an Intel Xeon
-    (AVX-512: decode steps 6-15% faster) and lost on an AMD EPYC (AVX2: decode steps at 64 / 16 /
-    1 sequences 220 / 114 / 63 ms against oneDNN's 193 / 76 / 39; MKL's kernels there ran no
-    faster than its unpacked SGEMM)."""
+    AVX512-BF16 is, float32 on an AMD CPU with AVX-512 (decode steps' linears overlap reading their
+    weights with their products there, oneDNN's did not: worker/csrc/packed_gemm.cpp), and
+    float32 where MKL serves and the CPU is Intel's. At decode row counts (SmolLM2's shapes, 2
+    threads) MKL beat oneDNN's packed linears on an Intel Xeon (AVX-512: decode steps 6-15%
+    faster) and lost on an AMD EPYC (AVX2: decode steps at 64 / 16 / 1 sequences 220 / 114 / 63
+    ms against oneDNN's 193 / 76 / 39; MKL's kernels there ran no faster than its unpacked SGEMM)."""
     if dtype == torch.bfloat16:
         return packed_gemm_usable(dtype)
-    return dtype == torch.float32 and packed_gemm_usable(dtype) and "GenuineIntel" in (_cpuinfo("vendor_id") or "")
+    if dtype != torch.float32 or not packed_gemm_usable(dtype):
+        return False
+    return packed_gemm_kernel(dtype) != MKL or "GenuineIntel" in (_cpuinfo("vendor_id") or "")
 
 
 def argmax_usable(logits: torch.Tensor) -> bool:

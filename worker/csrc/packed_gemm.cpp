@@ -1,6 +1,7 @@
 // Linears through weights packed once, for the compiled forward (worker/compiled.py): float32
-// through MKL's packed SGEMM, bfloat16 at decode row counts through AMX tile products, or where
-// there is no AMX through AVX512-BF16 dot products (gemm_pairs, below).
+// through MKL's packed SGEMM (Intel) or AVX-512 vector panels (AMD), bfloat16 at decode row
+// counts through AMX tile products, or where there is no AMX through AVX512-BF16 dot products
+// (gemm_panels, below).
 //
 // float32. Inductor packs a frozen float32 linear for oneDNN when the token dimension is
 // dynamic (it uses MKL's packed SGEMM only for a fixed row count). At the row counts of decode
@@ -35,6 +36,7 @@
 
 #include <algorithm>
 #include <array>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -77,9 +79,9 @@ const Mkl& mkl() {
 struct Packed {
   int64_t n, k;
   at::ScalarType dtype;
-  at::Tensor buffer;  // float32: MKL's packed B (the weight, transposed); bf16: the weight in B tiles or pairs
-  at::Tensor onednn;  // bf16: oneDNN's packed copy, for rows past kTileRows
-  bool tiles = false;  // bf16: buffer holds AMX tiles (else key pairs for gemm_pairs)
+  at::Tensor buffer;  // the weight as `kernel` reads it (MKL's packed B, AMX tiles, panels)
+  at::Tensor onednn;  // oneDNN's packed copy, for rows past the kernel's (all but MKL)
+  enum class Kernel { onednn, mkl, tiles, panels } kernel = Kernel::onednn;
 };
 
 std::mutex registry_lock;
@@ -249,38 +251,50 @@ void gemm_tiles(const Packed& p, const at::Tensor& x, at::Tensor& y) {
 }
 #endif
 
-// ---------------------------------------------------------------------------- bfloat16: AVX512-BF16
+// ---------------------------------------------------------------------------- vector panels (AVX-512)
 
-// The same idea without AMX (AMD EPYC, Zen 4): oneDNN's kernel (avx512_core_bf16) streams a
-// decode step's weights in without overlapping that with its products, so each linear takes
-// about the sum of its read and its arithmetic (SmolLM2's gate/up, 3.5 MB: 16 rows 215 us, where
-// the read alone takes 110 and the products 127). gemm_pairs stores the weight as the kernel
-// reads it, 32 columns x 2 keys (one pair per 32-bit lane, two vectors) for each pair of keys
-// of a 32-column panel, multiplies 12 rows at a time (24 accumulators, VDPBF16PS: each row's
-// key pair broadcast against the panel's two vectors) and prefetches the weight stream 32 KB
-// ahead into L2, spread over the panel's passes.
-#if defined(__AVX512BF16__)
-// Rows up to this many take gemm_pairs (2 threads, ms for the layers' linears, pairs against
-// oneDNN: SmolLM2 1 row 7.7 / 11.8, 16 rows 10.3 / 14.7, 32 rows 18.3 / 23.0, 64 rows 34.3 /
-// 39.5, 128 rows 66.9 / 69.2, 256 rows 135 / 133; small 32 rows 13.7 / 14.4, 64 rows 25.2 / 25.1,
-// 128 rows 49.1 / 47.3).
-constexpr int64_t kPairRows = 64;
-constexpr int kRowsPass = 12;  // rows a pass: 2 x 12 accumulators + 2 weight vectors + 1 row pair
+// The same idea without AMX (AMD EPYC, Zen 4): oneDNN's kernels (avx512_core_bf16, avx512_core)
+// stream a decode step's weights in without overlapping that with their products, so each
+// linear takes about the sum of its read and its arithmetic (SmolLM2's gate/up in bf16, 3.5 MB:
+// 16 rows 215 us, where the read alone takes 110 and the products 127). gemm_panels stores the
+// weight as the kernel reads it, 32-column panels of 128 bytes a step (bf16: a pair of keys, one
+// pair per 32-bit lane of two vectors; float32: one key), multiplies 12 rows at a time (24
+// accumulators; bf16 VDPBF16PS, each row's key pair broadcast against the panel's two vectors;
+// float32 FMAs of each row's key) and prefetches the weight stream 32 KB ahead into L2, spread
+// over the panel's passes. bf16 takes it wherever there is AVX512-BF16 and no AMX; float32 on
+// AMD (on Intel MKL's packed SGEMM was the faster one).
+#if defined(__AVX512F__)
+// Rows up to this many take gemm_panels (2 threads, ms for SmolLM2's 30 layers' linears, panels
+// against oneDNN; bf16: 1 row 7.7 / 11.8, 16 rows 10.3 / 14.7, 32 rows 18.3 / 23.0, 64 rows 34.3 /
+// 39.5, 128 rows 66.9 / 69.2, 256 rows 135 / 133 (small's layers: 32 rows 13.7 / 14.4, 64 rows
+// 25.2 / 25.1, 128 rows 49.1 / 47.3); float32: 1 row 14.0 / 18.8, 16 rows 21.2 / 24.8, 32 rows
+// 35.9 / 40.1, 64 rows 69.3 / 70.1, 128 rows 133 / 130).
+constexpr int64_t kPanelRows = 64;
+constexpr int kRowsPass = 12;  // rows a pass: 2 x 12 accumulators + 2 weight vectors + 1 broadcast
 
-// w [N, K] -> [N / 32][K / 2][32][2]
-at::Tensor pack_pairs(const at::Tensor& w) {
+bool f32_panels() {  // float32 weights go to the panels here (else to MKL)
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return bool(__builtin_cpu_is("amd"));
+  }();
+  return amd;
+}
+
+// w [N, K] -> [N / 32][K / E][32][E]: E = 2 keys a lane (bf16) or 1 (float32)
+template <typename T, int E>
+at::Tensor pack_panels(const at::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1);
   auto out = at::empty({N * K}, w.options());
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  uint16_t* d = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const T* s = reinterpret_cast<const T*>(w.data_ptr());
+  T* d = reinterpret_cast<T*>(out.data_ptr());
   for (int64_t nb = 0; nb < N / 32; ++nb)
-    for (int64_t p = 0; p < K / 2; ++p)
+    for (int64_t p = 0; p < K / E; ++p)
       for (int64_t c = 0; c < 32; ++c)
-        for (int64_t e = 0; e < 2; ++e) *d++ = s[(nb * 32 + c) * K + 2 * p + e];
+        for (int64_t e = 0; e < E; ++e) *d++ = s[(nb * 32 + c) * K + E * p + e];
   return out;
 }
 
-// The prefetch stream: `step` bytes (a fraction of a line allowed) for every 4 key pairs read.
+// The prefetch stream: `step` bytes (a fraction of a line allowed) for every 4 steps read.
 struct Stream {
   const char* ahead;
   const char* end;
@@ -291,46 +305,66 @@ struct Stream {
   }
 };
 
-// y[m0 .. m0 + R) of one panel (32 columns from col): the rows' key pairs against the panel's
-template <int R>
-void pass_pairs(const uint32_t* A, int64_t KP, const char* B, uint16_t* Y, int64_t N, Stream& st) {
+// R rows of one panel: S steps of 128 bytes of weight, each row's step a 32-bit word of A
+// (a bf16 key pair, or a float32 key) at A[r * S + step]; y's rows N elements apart.
+template <bool BF16, int R>
+void pass_panel(const uint32_t* A, int64_t S, const char* B, void* Y, int64_t N, Stream& st) {
   __m512 c0[R], c1[R];
   for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < KP; ++p) {
+  for (int64_t p = 0; p < S; ++p) {
     if ((p & 3) == 0) st.advance();
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(B + p * 128), b1 = (__m512bh)_mm512_loadu_si512(B + p * 128 + 64);
+    const __m512i b0 = _mm512_loadu_si512(B + p * 128), b1 = _mm512_loadu_si512(B + p * 128 + 64);
     for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(int(A[r * KP + p]));
-      c0[r] = _mm512_dpbf16_ps(c0[r], a, b0);
-      c1[r] = _mm512_dpbf16_ps(c1[r], a, b1);
+      const __m512i a = _mm512_set1_epi32(int(A[r * S + p]));
+      if constexpr (BF16) {
+#if defined(__AVX512BF16__)
+        c0[r] = _mm512_dpbf16_ps(c0[r], (__m512bh)a, (__m512bh)b0);
+        c1[r] = _mm512_dpbf16_ps(c1[r], (__m512bh)a, (__m512bh)b1);
+#endif
+      } else {
+        c0[r] = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b0), c0[r]);
+        c1[r] = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b1), c1[r]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r)  // round to bf16 (nearest even), 32 columns a row
-    _mm512_storeu_si512(Y + r * N, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(c1[r], c0[r])));
+  for (int r = 0; r < R; ++r) {
+    if constexpr (BF16) {  // round to bf16 (nearest even), 32 columns a row
+#if defined(__AVX512BF16__)
+      _mm512_storeu_si512(static_cast<uint16_t*>(Y) + r * N, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(c1[r], c0[r])));
+#endif
+    } else {
+      _mm512_storeu_ps(static_cast<float*>(Y) + r * N, c0[r]);
+      _mm512_storeu_ps(static_cast<float*>(Y) + r * N + 16, c1[r]);
+    }
+  }
 }
 
-using PassFn = void (*)(const uint32_t*, int64_t, const char*, uint16_t*, int64_t, Stream&);
-template <int... R>
+using PassFn = void (*)(const uint32_t*, int64_t, const char*, void*, int64_t, Stream&);
+template <bool BF16, int... R>
 constexpr std::array<PassFn, sizeof...(R)> pass_table(std::integer_sequence<int, R...>) {
-  return {pass_pairs<R + 1>...};
+  return {pass_panel<BF16, R + 1>...};
 }
-constexpr auto kPasses = pass_table(std::make_integer_sequence<int, kRowsPass>());  // kPasses[r - 1]: r rows
+// kPasses<BF16>[r - 1]: a pass of r rows
+template <bool BF16>
+constexpr auto kPasses = pass_table<BF16>(std::make_integer_sequence<int, kRowsPass>());
 
-// y [M, N] = x [M, K] w^T, M <= kTileRows: each thread a run of 32-column panels, each panel
+// y [M, N] = x [M, K] w^T, M <= kPanelRows: each thread a run of 32-column panels, each panel
 // kRowsPass rows a pass (the last pass the rest).
-void gemm_pairs(const Packed& p, const at::Tensor& x, at::Tensor& y) {
-  const int64_t M = x.size(0), K = p.k, N = p.n, KP = K / 2, NB = N / 32, panel = KP * 128;
-  const int64_t passes = (M + kRowsPass - 1) / kRowsPass;
+void gemm_panels(const Packed& p, const at::Tensor& x, at::Tensor& y) {
+  const bool bf16 = p.dtype == at::kBFloat16;
+  const int64_t M = x.size(0), N = p.n, S = bf16 ? p.k / 2 : p.k, NB = N / 32, panel = S * 128;
+  const int64_t passes = (M + kRowsPass - 1) / kRowsPass, size = y.element_size();
   const uint32_t* A = reinterpret_cast<const uint32_t*>(x.data_ptr());
   const char* B = reinterpret_cast<const char*>(p.buffer.data_ptr());
-  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr());
+  char* Y = reinterpret_cast<char*>(y.data_ptr());
+  const auto& table = bf16 ? kPasses<true> : kPasses<false>;
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    // a panel's bytes are prefetched over all its passes (512 bytes of weight every 4 key pairs)
+    // a panel's bytes are prefetched over all its passes (512 bytes of weight every 4 steps)
     Stream st{B + b0 * panel + kPrefetch, B + b1 * panel, 512 / passes};
     for (int64_t nb = b0; nb < b1; ++nb)
       for (int64_t m0 = 0; m0 < M; m0 += kRowsPass) {
         const int64_t rows = std::min<int64_t>(kRowsPass, M - m0);
-        kPasses[rows - 1](A + m0 * KP, KP, B + nb * panel, Y + m0 * N + nb * 32, N, st);
+        table[rows - 1](A + m0 * S, S, B + nb * panel, Y + (m0 * N + nb * 32) * size, N, st);
       }
   });
 }
@@ -344,39 +378,56 @@ bool tiles_usable() {
 #endif
 }
 
-bool pairs_usable() {
+bool panels_usable(at::ScalarType dtype) {
 #if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
+  if (dtype == at::kBFloat16) return true;
 #endif
+#if defined(__AVX512F__)
+  if (dtype == at::kFloat) return f32_panels();
+#endif
+  return false;
 }
 
-// The most rows a bf16 step sends to the packed kernel (more go to oneDNN's copy)
-int64_t bf16_rows(const Packed& p) {
-#if defined(__AVX512BF16__)
-  if (!p.tiles) return kPairRows;
+using Kernel = Packed::Kernel;
+
+// The kernel a weight of this dtype is packed for here: bf16 on AMX tiles, else on panels;
+// float32 on panels on AMD, else MKL's. A shape a kernel cannot take goes to oneDNN alone.
+Kernel kernel_for(at::ScalarType dtype, int64_t n, int64_t k) {
+  if (dtype == at::kBFloat16 && tiles_usable()) return tiles_fit(n, k) ? Kernel::tiles : Kernel::onednn;
+  if (panels_usable(dtype)) return n % 32 == 0 && k % 2 == 0 ? Kernel::panels : Kernel::onednn;
+  return dtype == at::kFloat && mkl().ok() ? Kernel::mkl : Kernel::onednn;
+}
+
+// The most rows a step sends to the packed kernel (more go to oneDNN's copy)
+int64_t kernel_rows(Kernel kernel) {
+  switch (kernel) {
+    case Kernel::mkl: return std::numeric_limits<int64_t>::max();
+    case Kernel::tiles: return kTileRows;
+#if defined(__AVX512F__)
+    case Kernel::panels: return kPanelRows;
 #endif
-  return kTileRows;
+    default: return -1;
+  }
 }
 
 }  // namespace
 
 bool gemm_supported(at::ScalarType dtype) {
-  if (dtype == at::kFloat) return mkl().ok();
-  return dtype == at::kBFloat16 && (tiles_usable() || pairs_usable());
+  if (dtype == at::kFloat) return panels_usable(dtype) || mkl().ok();
+  return dtype == at::kBFloat16 && (tiles_usable() || panels_usable(dtype));
 }
 
 // Which kernel serves linears in dtype here (the engine's log line)
 std::string gemm_kernel(at::ScalarType dtype) {
   if (!gemm_supported(dtype)) return "none";
-  if (dtype == at::kFloat) return "MKL's packed SGEMM";
-  if (tiles_usable()) return "AMX tiles (oneDNN past " + std::to_string(kTileRows) + " rows)";
-#if defined(__AVX512BF16__)
-  return "AVX512-BF16 vectors (oneDNN past " + std::to_string(kPairRows) + " rows)";
-#else
-  return "none";
-#endif
+  switch (kernel_for(dtype, 32, 32)) {
+    case Kernel::mkl: return "MKL's packed SGEMM";
+    case Kernel::tiles: return "AMX tiles (oneDNN past " + std::to_string(kernel_rows(Kernel::tiles)) + " rows)";
+    case Kernel::panels:
+      return std::string(dtype == at::kBFloat16 ? "AVX512-BF16" : "AVX-512") + " vectors (oneDNN past " +
+             std::to_string(kernel_rows(Kernel::panels)) + " rows)";
+    default: return "oneDNN";
+  }
 }
 
 // w [N, K] (float32 or bf16) -> a handle to its packed copies
@@ -384,21 +435,19 @@ int64_t gemm_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "gemm_pack: a 2-D CPU weight");
   TORCH_CHECK(gemm_supported(w.scalar_type()), "gemm_pack: no packed kernel for ", w.scalar_type(), " here");
   auto wc = w.contiguous();
-  Packed p{wc.size(0), wc.size(1), wc.scalar_type(), {}, {}, false};
-  if (p.dtype == at::kFloat) {
-    p.buffer = pack_mkl(wc);
-  } else {
-    p.onednn = pack_onednn(wc);
-    // where the weight's shape does not fit the kernel, every row count goes to oneDNN
+  Packed p{wc.size(0), wc.size(1), wc.scalar_type(), {}, {}, kernel_for(wc.scalar_type(), wc.size(0), wc.size(1))};
+  if (p.kernel != Kernel::mkl) p.onednn = pack_onednn(wc);
+  switch (p.kernel) {
+    case Kernel::mkl: p.buffer = pack_mkl(wc); break;
 #if defined(TOKENQ_AMX)
-    if (tiles_usable() && tiles_fit(p.n, p.k)) {
-      p.buffer = pack_tiles(wc);
-      p.tiles = true;
-    }
+    case Kernel::tiles: p.buffer = pack_tiles(wc); break;
 #endif
-#if defined(__AVX512BF16__)
-    if (!p.tiles && p.n % 32 == 0 && p.k % 2 == 0) p.buffer = pack_pairs(wc);
+#if defined(__AVX512F__)
+    case Kernel::panels:
+      p.buffer = p.dtype == at::kBFloat16 ? pack_panels<uint16_t, 2>(wc) : pack_panels<float, 1>(wc);
+      break;
 #endif
+    default: break;
   }
   return keep(std::move(p));
 }
@@ -415,18 +464,18 @@ at::Tensor gemm_packed(const at::Tensor& x, int64_t handle) {
               "] ", p.dtype);
   auto xc = x.contiguous();
   const int64_t m = xc.size(0);
-  if (p.dtype == at::kBFloat16 && !(p.buffer.defined() && m <= bf16_rows(p))) return gemm_onednn(p, xc);
+  if (m > kernel_rows(p.kernel)) return gemm_onednn(p, xc);
   auto y = at::empty({m, p.n}, xc.options());
   if (m == 0) return y;
-  if (p.dtype == at::kFloat) {
-    gemm_mkl(p, xc, y);
-  } else {
+  switch (p.kernel) {
+    case Kernel::mkl: gemm_mkl(p, xc, y); break;
 #if defined(TOKENQ_AMX)
-    if (p.tiles) gemm_tiles(p, xc, y);
+    case Kernel::tiles: gemm_tiles(p, xc, y); break;
 #endif
-#if defined(__AVX512BF16__)
-    if (!p.tiles) gemm_pairs(p, xc, y);
+#if defined(__AVX512F__)
+    case Kernel::panels: gemm_panels(p, xc, y); break;
 #endif
+    default: break;
   }
   return y;
 }

@@ -182,7 +182,7 @@ def test_linears_run_through_packed_weights_freed_with_the_graph(dtype):
     handles = [h for L in fwd.decoder.layers for h in L.handles()]
     assert fwd.packed and len(handles) == 4 * len(fwd.decoder.layers) and layer.qkv_w is None
     kernels = {torch.bfloat16: ("AMX tiles (oneDNN past 128 rows)", "AVX512-BF16 vectors (oneDNN past 64 rows)"),
-               torch.float32: (native.MKL, "AVX-512 vectors (oneDNN past 64 rows)")}[dtype]
+               torch.float32: (native.MKL, "AVX-512 vectors (oneDNN past 32 rows)")}[dtype]
     assert fwd.linears() in kernels
     assert fwd.onednn == (fwd.linears() != native.MKL)  # rows past the kernel's go to oneDNN: padded
     at = model.model.layers[0].self_attn

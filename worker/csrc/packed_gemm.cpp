@@ -268,8 +268,9 @@ void gemm_tiles(const Packed& p, const at::Tensor& x, at::Tensor& y) {
 // against oneDNN; bf16: 1 row 7.7 / 11.8, 16 rows 10.3 / 14.7, 32 rows 18.3 / 23.0, 64 rows 34.3 /
 // 39.5, 128 rows 66.9 / 69.2, 256 rows 135 / 133 (small's layers: 32 rows 13.7 / 14.4, 64 rows
 // 25.2 / 25.1, 128 rows 49.1 / 47.3); float32: 1 row 14.0 / 18.8, 16 rows 21.2 / 24.8, 32 rows
-// 35.9 / 40.1, 64 rows 69.3 / 70.1, 128 rows 133 / 130).
-constexpr int64_t kPanelRows = 64;
+// 35.9 / 40.1, 64 rows 69.3 / 70.1, 128 rows 133 / 130 (small's: 16 rows 15.0 / 15.7, 32 rows
+// 25.8 / 25.9, 64 rows 50.4 / 46.9)).
+constexpr int64_t kPanelRows = 64, kPanelRowsF32 = 32;
 constexpr int kRowsPass = 12;  // rows a pass: 2 x 12 accumulators + 2 weight vectors + 1 broadcast
 
 bool f32_panels() {  // float32 weights go to the panels here (else to MKL)
@@ -348,7 +349,7 @@ constexpr std::array<PassFn, sizeof...(R)> pass_table(std::integer_sequence<int,
 template <bool BF16>
 constexpr auto kPasses = pass_table<BF16>(std::make_integer_sequence<int, kRowsPass>());
 
-// y [M, N] = x [M, K] w^T, M <= kPanelRows: each thread a run of 32-column panels, each panel
+// y [M, N] = x [M, K] w^T, M <= kPanelRows (float32: kPanelRowsF32): each thread a run of 32-column panels, each panel
 // kRowsPass rows a pass (the last pass the rest).
 void gemm_panels(const Packed& p, const at::Tensor& x, at::Tensor& y) {
   const bool bf16 = p.dtype == at::kBFloat16;
@@ -399,12 +400,12 @@ Kernel kernel_for(at::ScalarType dtype, int64_t n, int64_t k) {
 }
 
 // The most rows a step sends to the packed kernel (more go to oneDNN's copy)
-int64_t kernel_rows(Kernel kernel) {
+int64_t kernel_rows(Kernel kernel, at::ScalarType dtype) {
   switch (kernel) {
     case Kernel::mkl: return std::numeric_limits<int64_t>::max();
     case Kernel::tiles: return kTileRows;
 #if defined(__AVX512F__)
-    case Kernel::panels: return kPanelRows;
+    case Kernel::panels: return dtype == at::kFloat ? kPanelRowsF32 : kPanelRows;
 #endif
     default: return -1;
   }
@@ -422,10 +423,10 @@ std::string gemm_kernel(at::ScalarType dtype) {
   if (!gemm_supported(dtype)) return "none";
   switch (kernel_for(dtype, 32, 32)) {
     case Kernel::mkl: return "MKL's packed SGEMM";
-    case Kernel::tiles: return "AMX tiles (oneDNN past " + std::to_string(kernel_rows(Kernel::tiles)) + " rows)";
+    case Kernel::tiles: return "AMX tiles (oneDNN past " + std::to_string(kernel_rows(Kernel::tiles, dtype)) + " rows)";
     case Kernel::panels:
       return std::string(dtype == at::kBFloat16 ? "AVX512-BF16" : "AVX-512") + " vectors (oneDNN past " +
-             std::to_string(kernel_rows(Kernel::panels)) + " rows)";
+             std::to_string(kernel_rows(Kernel::panels, dtype)) + " rows)";
     default: return "oneDNN";
   }
 }
@@ -464,7 +465,7 @@ at::Tensor gemm_packed(const at::Tensor& x, int64_t handle) {
               "] ", p.dtype);
   auto xc = x.contiguous();
   const int64_t m = xc.size(0);
-  if (m > kernel_rows(p.kernel)) return gemm_onednn(p, xc);
+  if (m > kernel_rows(p.kernel, p.dtype)) return gemm_onednn(p, xc);
   auto y = at::empty({m, p.n}, xc.options());
   if (m == 0) return y;
   switch (p.kernel) {

@@ -1,6 +1,6 @@
 """The engine's native CPU kernels: paged attention (worker/csrc/paged_attention.cpp), the
-compiled forward's packed linears (worker/csrc/packed_gemm.cpp: float32 on MKL, bf16 on AMX
-tiles) and the sampler's greedy picks (worker/csrc/greedy.cpp).
+compiled forward's packed linears (worker/csrc/packed_gemm.cpp: MKL, AMX tiles, AVX-512
+panels) and the sampler's greedy picks (worker/csrc/greedy.cpp).
 
 Decode attention is a few tiny products per page and sequence; through torch ops that is
 hundreds of small bmm calls and a segmented softmax a layer, and in bfloat16 (whose small
@@ -41,7 +41,7 @@ import torch
 
 log = logging.getLogger("tokenq.native")
 
-# paged attention, the compiled forward's packed linears (float32: MKL; bf16: AMX tiles or AVX512-BF16), greedy picks
+# paged attention, the compiled forward's packed linears (MKL, AMX tiles, AVX-512 panels), greedy picks
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "greedy.cpp")]
 HEADERS = [Path(__file__).with_name("csrc") / "amx.h"]  # part of the build's key, not compiled alone
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -206,8 +206,8 @@ _EMPTY_LONG = torch.empty(0, dtype=torch.long)
 
 def packed_gemm_usable(dtype: torch.dtype) -> bool:
     """Whether linears in ``dtype`` can run through weights packed here (worker/csrc/packed_gemm.cpp):
-    float32 through MKL's packed SGEMM (a torch with MKL), bf16 on AMX tiles (a CPU with AMX) or
-    AVX512-BF16 dot products (one without)."""
+    float32 through MKL's packed SGEMM (a torch with MKL) or AVX-512 vector panels (an AMD CPU),
+    bf16 on AMX tiles (a CPU with AMX) or AVX512-BF16 dot products (one without)."""
     return load() is not None and bool(_module.gemm_supported(dtype))
 
 

@@ -904,45 +904,35 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const
   const int64_t parts = int64_t(bound.size()) - 1;
   // Kt per (chunk, kv head), float32, zero past the chunk's last slot: a D x BK tile per block
   // of BK keys (one [D][span] matrix put 2 KB between a block's rows at 512 slots: every row in
-  // the same cache sets, and long chunks ran at 95 GFLOP/s instead of 240)
+  // the same cache sets, and long chunks ran at 95 GFLOP/s instead of 240). With pairs, a W x BK
+  // tile of bf16 pairs (in half the room): either way 32-bit words, transposed alike.
   std::vector<float> kt(ktoff[C * kvh]);
+  constexpr int64_t words = pairs ? W : D;  // 32-bit words a key's row
   at::parallel_for(0, C * kvh, 1, [&](int64_t a, int64_t b) {
-    alignas(64) float tile[16 * D];  // 16 slots' rows, written out column by column
+    alignas(64) uint32_t tile[16 * D];  // 16 slots' rows, written out column by column
     const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(D));
+                                           _mm512_set1_epi32(int(words)));
     for (int64_t it = a; it < b; ++it) {
       const int64_t c = it / kvh, h = it % kvh, ctx = starts[c] + lens[c], n = span[c];
       const int64_t* table = tables + offsets[c];
-      float* dst = kt.data() + ktoff[it];
-      if constexpr (pairs) {  // [W][BK] pairs a block, half of the float32 tile's room
-        uint32_t* rows = reinterpret_cast<uint32_t*>(tile);
-        uint32_t* dp = reinterpret_cast<uint32_t*>(kt.data() + ktoff[it]);
-        const __m512i pidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                _mm512_set1_epi32(W));
-        for (int64_t t0 = 0; t0 < n; t0 += 16) {
-          for (int64_t t = 0; t < 16; ++t) {
-            const int64_t k = t0 + t;
-            if (k < ctx)
-              std::memcpy(rows + t * W, kp + table[k / ps] * page_stride + h * head_stride + (k % ps) * D, D * 2);
-            else
-              std::fill(rows + t * W, rows + (t + 1) * W, 0u);
-          }
-          uint32_t* blk = dp + t0 / BK * W * BK + t0 % BK;
-          for (int64_t w = 0; w < W; ++w)
-            _mm512_storeu_si512(blk + w * BK, _mm512_i32gather_epi32(pidx, rows + w, 4));
-        }
-        continue;
-      }
+      uint32_t* dst = reinterpret_cast<uint32_t*>(kt.data() + ktoff[it]);
       for (int64_t t0 = 0; t0 < n; t0 += 16) {
         for (int64_t t = 0; t < 16; ++t) {
           const int64_t k = t0 + t;
-          if (k < ctx)
-            to_float(kp + table[k / ps] * page_stride + h * head_stride + (k % ps) * D, tile + t * D, D);
+          uint32_t* row = tile + t * words;
+          if (k >= ctx) {
+            std::fill(row, row + words, 0u);
+            continue;
+          }
+          const T* src = kp + table[k / ps] * page_stride + h * head_stride + (k % ps) * D;
+          if constexpr (pairs)
+            std::memcpy(row, src, D * 2);
           else
-            std::fill(tile + t * D, tile + (t + 1) * D, 0.f);
+            to_float(src, reinterpret_cast<float*>(row), D);
         }
-        float* blk = dst + t0 / BK * D * BK + t0 % BK;
-        for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(blk + d * BK, _mm512_i32gather_ps(idx, tile + d, 4));
+        uint32_t* blk = dst + t0 / BK * words * BK + t0 % BK;
+        for (int64_t w = 0; w < words; ++w)
+          _mm512_storeu_si512(blk + w * BK, _mm512_i32gather_epi32(idx, tile + w, 4));
       }
     }
   });

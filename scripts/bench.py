@@ -490,22 +490,42 @@ def _ms(x):
     return "—" if x != x else (f"{x * 1e3:,.0f}" if x >= 0.1 else f"{x * 1e3:,.1f}")
 
 
-def main_table(results: list[Result], peak_gflops: float = 0.0) -> str:
-    from bench_flops import mfu_cells
+def main_table(results: list[Result], peak_gflops: float = 0.0, read_gbs: float = 0.0) -> str:
+    from bench_flops import ceiling_s, mfu_cells
 
     lines = [
         "| config | system | requests | output tok/s | × engine | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms | "
-        "linear GFLOP/s | MFU | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "linear GFLOP/s | MFU | of ceiling | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     base = {r.config: r.tok_s for r in results if r.system == "engine"}
     for r in results:
         ratio = r.tok_s / base[r.config] if r.config in base else float("nan")
+        floor = ceiling_s(r.extra.get("flops", 0.0), r.extra.get("kv_bytes", 0.0), peak_gflops, read_gbs)
         lines.append(
             f"| {r.config} | {r.system} | {r.n_requests} | {r.tok_s:,.0f} | {ratio:.2f} | {_ms(_mean(r.ttft))} | "
             f"{_ms(_p99(r.ttft))} | {_ms(_mean(r.itl))} | {_ms(_p99(r.itl))} | "
-            f"{' | '.join(mfu_cells(r.extra.get('flops', 0.0), r.wall_s, peak_gflops))} | {r.note} |"
+            f"{' | '.join(mfu_cells(r.extra.get('flops', 0.0), r.wall_s, peak_gflops))} | "
+            f"{f'{floor / r.wall_s:.0%}' if floor and r.wall_s else '—'} | {r.note} |"
         )
+    return "\n".join(lines)
+
+
+def ceiling_lines(results: list[Result], peak_gflops: float, read_gbs: float) -> str:
+    """Per config: the ceiling's tok/s and its two parts (bench_flops.ceiling_s)."""
+    from bench_flops import ceiling_s
+
+    lines, seen = [], set()
+    for r in results:
+        flops, kv = r.extra.get("flops", 0.0), r.extra.get("kv_bytes", 0.0)
+        if r.config in seen or r.n_requests != max(x.n_requests for x in results if x.config == r.config):
+            continue
+        seen.add(r.config)
+        floor = ceiling_s(flops, kv, peak_gflops, read_gbs)
+        if floor:
+            lines.append(f"- {r.config}: **{r.out_tokens / floor:,.0f} tok/s** ({r.out_tokens:,} tokens in {floor:.2f} s): "
+                         f"linears {flops / 1e9:,.0f} GFLOP at the peak {flops / peak_gflops / 1e9:.2f} s, decode K/V "
+                         f"reads {kv / 1e6:,.0f} MB at {read_gbs:.1f} GB/s {kv / read_gbs / 1e9:.2f} s")
     return "\n".join(lines)
 
 
@@ -627,12 +647,14 @@ def measure_read(device: str = "cpu") -> float:
 
 
 def _add_flops(results: list[Result], config: str, model, workload) -> None:
-    """Each result of this config gets the linear FLOPs of the requests it ran (hf-single: the first N)."""
-    from bench_flops import workload_flops
+    """Each result of this config gets the linear FLOPs and the decode K/V bytes of the requests it
+    ran (hf-single: the first N)."""
+    from bench_flops import workload_flops, workload_kv_bytes
 
     for r in results:
         if r.config == config and "flops" not in r.extra:
             r.extra["flops"] = workload_flops(model, workload[:r.n_requests])
+            r.extra["kv_bytes"] = workload_kv_bytes(model, workload[:r.n_requests])
 
 
 def _where(args) -> str:
@@ -782,7 +804,11 @@ def main(argv=None) -> int:
     print(f"GEMM peak ({args.dtype}, best of a measurement before and one after the systems ran): {peak[0]:,.0f} GFLOP/s ({peak[1]}); "
           f"MFU = the model's linear-layer GFLOP/s over it (scripts/bench_flops.py). Memory read before / after the "
           f"systems ran: {reads[0]:.1f} / {reads[1]:.1f} GB/s (a sum over 256 MB; decode steps are bound by it)\n")
-    print(main_table(results, peak[0]))
+    read = max(reads)
+    print(main_table(results, peak[0], read))
+    print(f"\nThe ceiling (scripts/bench_flops.py): every linear at the GEMM peak, then every decode step's K/V "
+          f"read at the better read rate, nothing else costing time; no system can beat it.\n")
+    print(ceiling_lines(results, peak[0], read))
     print("\n### tokenq engine: KV cache and per-step overhead\n")
     print(engine_table(results))
     for line in skipped:

@@ -7,6 +7,15 @@ layers)`` FLOPs, every sampled token ``2 * (LM head weights)`` more. A workload 
 ``p_i`` and outputs ``o_i`` runs ``p_i + o_i - 1`` tokens through the layers (the last
 output token is never fed back) and samples ``o_i`` tokens. Attention's own FLOPs are left
 out, so MFU slightly understates the work done. MFU = those FLOPs / wall time / peak.
+
+The ceiling: MFU alone cannot say how far a system is from what the machine allows, because
+decode attention is bound by memory, not arithmetic: each decode step reads every running
+sequence's K and V, and over the benchmark's workload that is 37-137 GB (small and SmolLM2, in
+bf16 and float32), seconds of the run. :func:`ceiling_s` is the time the workload would take
+with every linear at the GEMM peak and every decode K/V read at the plain read rate, the two
+one after the other (as the ops run) and everything else free (attention's arithmetic, prefill
+attention, norms, sampling, the host). No system run here can beat it; the table's "of ceiling"
+is a system's output tok/s over the ceiling's.
 """
 
 from __future__ import annotations
@@ -97,3 +106,40 @@ def mfu_cells(flops: float, wall_s: float, peak_gflops: float) -> tuple[str, str
         return "—", "—"
     g = flops / wall_s / 1e9
     return f"{g:,.0f}", f"{g / peak_gflops:.0%}"
+
+
+def kv_bytes_per_token(model) -> list[int]:
+    """Bytes of K and V one cached token holds in each layer (the model's dtype)."""
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    size = next(model.parameters()).element_size()
+    return [2 * kv_heads * head_dim * size] * c.num_hidden_layers
+
+
+def layer_windows(model) -> list[int | None]:
+    """Each layer's sliding window (None: the whole context)."""
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    window = getattr(c, "sliding_window", None)
+    types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+    return [window if t == "sliding_attention" and window else None for t in types]
+
+
+def workload_kv_bytes(model, workload) -> float:
+    """Bytes of K/V the decode steps of ``workload`` read: output token k (k >= 1; the first
+    comes from the prompt's step) of a p-token prompt is fed at position p + k - 1 and attends
+    p + k slots, its own included (fewer in a sliding-window layer)."""
+    total = 0
+    for per, window in zip(kv_bytes_per_token(model), layer_windows(model)):
+        for p, o in workload:
+            n = len(p)
+            slots = sum(min(n + k, window) if window else n + k for k in range(1, o))
+            total += per * slots
+    return float(total)
+
+
+def ceiling_s(flops: float, kv_bytes: float, peak_gflops: float, read_gbs: float) -> float:
+    """The ceiling's wall time (see the module's docstring); 0 where a yardstick is missing."""
+    if not peak_gflops or not read_gbs:
+        return 0.0
+    return flops / peak_gflops / 1e9 + kv_bytes / read_gbs / 1e9

@@ -25,12 +25,40 @@ def test_quick_bench_prints_the_tables(tmp_path):
     assert {"engine", "ideal", "hf-static", "hf-cb", "hf-single"} <= rows, out
     assert "| tiny | engine | 8 |" in out and "| 1.00 |" in out  # the engine is its own baseline
     assert "KV waste at peak" in out and "sched + batch share" in out
+    assert "| MFU | of ceiling |" in out and "- tiny: **" in out  # the ceiling per config (bench_flops.ceiling_s)
     assert "throughput vs concurrent requests" in out and "throughput vs prompt length" in out
     # vLLM is optional: a Python without it is skipped cleanly, not a failure
     assert "skipped: tiny vllm:" in out
     assert png.exists() and png.stat().st_size > 0
     data = json.loads(js.read_text())
     engine = next(r for r in data["results"] if r["system"] == "engine")
-    assert engine["out_tokens"] > 0 and engine["tok_s"] > 0
+    assert engine["out_tokens"] > 0 and engine["tok_s"] > 0 and engine["kv_bytes"] > 0
     assert 0 <= engine["kv_waste_peak"] <= engine["kv_waste_bound"] + 1e-9  # at most one partial page per sequence
     assert {s["value"] for s in data["sweeps"]["concurrency"]} == {1, 4}
+
+
+def test_the_ceiling_counts_every_decode_read():
+    """The ceiling's K/V bytes are what decode attention reads: each output token after the first
+    attends its prompt, the outputs before it and itself (fewer slots in a sliding-window layer)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_flops import ceiling_s, workload_kv_bytes
+
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                         num_hidden_layers=2, intermediate_size=64, vocab_size=100))
+    # a request of 3 prompt tokens and 3 outputs: outputs 2 and 3 are fed, attending 4 and 5
+    # slots; one of 1 output decodes nothing. K and V of 2 kv heads x 8 dims, float32: 128 bytes
+    # a token and layer, 2 layers
+    workload = [([1, 2, 3], 3), ([4] * 5, 1)]
+    assert workload_kv_bytes(llama, workload) == 2 * 128 * (4 + 5)
+    assert workload_kv_bytes(llama.to(torch.bfloat16), workload) == 2 * 64 * (4 + 5)
+    gemma = Gemma3ForCausalLM(Gemma3TextConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=1, head_dim=8, num_hidden_layers=2,
+        intermediate_size=64, vocab_size=100, sliding_window=4, layer_types=["sliding_attention", "full_attention"]))
+    per = 2 * 1 * 8 * 4  # K and V of 1 kv head x 8 dims, float32
+    assert workload_kv_bytes(gemma, workload) == per * (4 + 4) + per * (4 + 5)  # the window caps 5 slots at 4
+    # linears at the peak, then the reads at the read rate: 2 GFLOP at 100 GFLOP/s + 3 GB at 10 GB/s
+    assert abs(ceiling_s(2e9, 3e9, 100.0, 10.0) - 0.32) < 1e-12
+    assert ceiling_s(2e9, 3e9, 0.0, 10.0) == 0.0  # no yardstick, no ceiling

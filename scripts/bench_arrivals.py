@@ -26,8 +26,8 @@ import time
 def serve(config: str, dtype: str, row_step: int, rounds: int, requests: int, seed: int) -> list[dict]:
     """In this process: the engine on ``rounds`` rounds of arriving requests; per round its figures."""
     import torch
-
     from bench import build_model
+
     from common.protocol import SamplingParams
     from worker import compiled
     from worker.config import EngineConfig

@@ -152,3 +152,13 @@ def test_dockerfile_pins_torch_like_the_setup_script():
         for part in src.split():
             assert (ROOT / part).exists(), part
             assert part.rstrip("/") in allowed, f"{part} is excluded by .dockerignore"
+
+
+def test_dockerfile_keeps_the_compile_caches_in_the_volume():
+    """The native kernels' build (torch's extension dir, under XDG_CACHE_HOME) and Inductor's
+    cache (default under /tmp: lost with the container) both live in the /cache volume."""
+    docker = (ROOT / "Dockerfile").read_text()
+    assert re.search(r'^VOLUME \["/cache"\]$', docker, re.M)
+    env = dict(re.findall(r"(\w+)=(\S+)", docker[docker.index("\nENV XDG_CACHE_HOME"):].split("\nVOLUME")[0]))
+    assert env["XDG_CACHE_HOME"] == "/cache"
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith("/cache/")

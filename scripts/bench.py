@@ -24,10 +24,9 @@ It prints a markdown table of output tokens/s, mean and p99 time to first token 
 inter-token latency, each throughput as a ratio to tokenq's engine, its model FLOP utilisation
 against the GEMM peak measured in the same run and its share of the ceiling (every linear at
 that peak, every decode K/V read at the measured read rate: scripts/bench_flops.py); then the
-engine's KV
-cache waste at peak (slots allocated but unused / slots allocated) and its scheduling +
-batch-building overhead per step (Scheduler.schedule + ModelRunner._prepare, as a share of
-Engine.step); then how throughput grows with concurrent requests and with prompt length.
+engine's KV cache waste at peak (slots allocated but unused / slots allocated) and its
+scheduling + batch-building overhead per step (Scheduler.schedule + ModelRunner._prepare, as a
+share of Engine.step); then how throughput grows with concurrent requests and with prompt length.
 
 Timings on shared machines are noisy: compare ratios within one run, and use
 ``--repeat N`` (engine and ideal run N times, interleaved, best kept) for the ratio that
@@ -810,7 +809,8 @@ def main(argv=None) -> int:
     read = max(reads)
     print(main_table(results, peak[0], read))
     print("\nThe ceiling (scripts/bench_flops.py): every linear at the GEMM peak, then every decode step's K/V "
-          "read at the better read rate, nothing else costing time; no system can beat it.\n")
+          "read at the better read rate, nothing else costing time: a system running its ops one after another "
+          "cannot beat it.\n")
     print(ceiling_lines(results, peak[0], read))
     print("\n### tokenq engine: KV cache and per-step overhead\n")
     print(engine_table(results))

@@ -14,8 +14,9 @@ sequence's K and V, and over the benchmark's workload that is 37-137 GB (small a
 bf16 and float32), seconds of the run. :func:`ceiling_s` is the time the workload would take
 with every linear at the GEMM peak and every decode K/V read at the plain read rate, the two
 one after the other (as the ops run) and everything else free (attention's arithmetic, prefill
-attention, norms, sampling, the host). No system run here can beat it; the table's "of ceiling"
-is a system's output tok/s over the ceiling's.
+attention, norms, sampling, the host). A system that runs its ops one after another cannot beat
+it (short of a linear faster than the measured peak); the table's "of ceiling" is a system's
+output tok/s over the ceiling's.
 """
 
 from __future__ import annotations
@@ -108,34 +109,21 @@ def mfu_cells(flops: float, wall_s: float, peak_gflops: float) -> tuple[str, str
     return f"{g:,.0f}", f"{g / peak_gflops:.0%}"
 
 
-def kv_bytes_per_token(model) -> list[int]:
-    """Bytes of K and V one cached token holds in each layer (the model's dtype)."""
-    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    size = next(model.parameters()).element_size()
-    return [2 * kv_heads * head_dim * size] * c.num_hidden_layers
-
-
-def layer_windows(model) -> list[int | None]:
-    """Each layer's sliding window (None: the whole context)."""
-    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    window = getattr(c, "sliding_window", None)
-    types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
-    return [window if t == "sliding_attention" and window else None for t in types]
-
-
 def workload_kv_bytes(model, workload) -> float:
     """Bytes of K/V the decode steps of ``workload`` read: output token k (k >= 1; the first
     comes from the prompt's step) of a p-token prompt is fed at position p + k - 1 and attends
-    p + k slots, its own included (fewer in a sliding-window layer)."""
-    total = 0
-    for per, window in zip(kv_bytes_per_token(model), layer_windows(model)):
+    p + k slots, its own included (at most the window in a sliding-window layer)."""
+    from worker.probe import expected_windows  # each layer's window, as the engine attends it
+
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per = 2 * kv_heads * head_dim * next(model.parameters()).element_size()  # one token's K and V in a layer
+    slots = 0
+    for window in expected_windows(c, c.num_hidden_layers):
         for p, o in workload:
-            n = len(p)
-            slots = sum(min(n + k, window) if window else n + k for k in range(1, o))
-            total += per * slots
-    return float(total)
+            slots += sum(min(len(p) + k, window) if window else len(p) + k for k in range(1, o))
+    return float(per * slots)
 
 
 def ceiling_s(flops: float, kv_bytes: float, peak_gflops: float, read_gbs: float) -> float:

@@ -113,12 +113,13 @@ def workload_kv_bytes(model, workload) -> float:
     """Bytes of K/V the decode steps of ``workload`` read: output token k (k >= 1; the first
     comes from the prompt's step) of a p-token prompt is fed at position p + k - 1 and attends
     p + k slots, its own included (at most the window in a sliding-window layer)."""
+    from worker.cache import KVCache, kv_heads_and_dim
     from worker.probe import expected_windows  # each layer's window, as the engine attends it
 
     c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per = 2 * kv_heads * head_dim * next(model.parameters()).element_size()  # one token's K and V in a layer
+    num_kv, head_dim = kv_heads_and_dim(c)
+    per = KVCache.bytes_per_page(num_layers=1, page_size=1, num_kv_heads=num_kv, head_dim=head_dim,
+                                 dtype=next(model.parameters()).dtype)  # one token's K and V in a layer
     slots = 0
     for window in expected_windows(c, c.num_hidden_layers):
         for p, o in workload:

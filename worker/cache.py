@@ -144,6 +144,14 @@ class BlockAllocator:
         assert 0 <= self.reserved <= self.num_free, "more pages reserved than free"
 
 
+def kv_heads_and_dim(config) -> tuple[int, int]:
+    """(kv heads, head size) a (text) model config's layers cache: without num_key_value_heads
+    every attention head has its own K/V; without head_dim it is hidden_size / heads."""
+    num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return num_kv, head_dim
+
+
 class KVCache:
     """The tensors: K and V pools for every layer, plus an optional host pool for swapping."""
 

@@ -30,7 +30,7 @@ from worker import (
     structured,
 )
 from worker.admission import Decision, decide
-from worker.cache import BlockAllocator, KVCache
+from worker.cache import BlockAllocator, KVCache, kv_heads_and_dim
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer
 from worker.models import check_supported, max_exact_len
@@ -63,8 +63,7 @@ class Engine:
         self.token_text = logprobs.token_texts(tokenizer) if tokenizer is not None else None  # for logprobs' token strings
         self.device = torch.device(cfg.device) if cfg.device else next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        num_kv = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
-        head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
+        num_kv, head_dim = kv_heads_and_dim(mcfg)
         shape = dict(num_layers=mcfg.num_hidden_layers, page_size=cfg.page_size, num_kv_heads=num_kv, head_dim=head_dim)
         num_pages = cfg.num_pages or max(1, int(cfg.kv_cache_memory * 2**30) // KVCache.bytes_per_page(**shape, dtype=self.dtype))
         host_pages = 0

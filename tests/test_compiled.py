@@ -269,3 +269,44 @@ def test_engines_stepping_in_two_threads_keep_their_own_steps():
     for t in threads:
         t.join()
     assert got == [[alone[0]] * 3, [alone[1]] * 3]
+
+
+def test_the_graph_compiles_before_the_native_attention_kernel_is_waited_for(monkeypatch):
+    """worker/native.py builds the steps' kernels (paged attention) while the graph compiles:
+    the graph's first call only compiles it, and only then does the engine wait for that build."""
+    from worker import native
+
+    if not native.usable(torch.device("cpu"), torch.float32):
+        pytest.skip(f"no native kernels here: {native.error()}")
+    seen = []
+    real = native.load
+    monkeypatch.setattr(native, "load", lambda: seen.append(compiled.compile_count()) or real())
+    before = compiled.compile_count()
+    engine = make_engine(tiny_model("llama", dtype=torch.float32, seed=11, head_dim=32), num_pages=64)
+    assert engine.runner.compiled is not None and engine.runner.compiled.native  # the graph calls the native op
+    assert seen and seen[0] == before + 1  # the first wait came after the graph compiled, not before
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0]) == 4
+
+
+def test_where_the_native_attention_kernel_does_not_build_the_torch_path_serves(caplog, monkeypatch):
+    """The linears' library built but the steps' did not (a compiler error in it): the compiled
+    graph, traced around the native attention op, is dropped with the reason, and the engine
+    attends through torch ops, giving the same tokens."""
+    from worker import native
+
+    if not native.usable(torch.device("cpu"), torch.float32):
+        pytest.skip(f"no native kernels here: {native.error()}")
+    model = tiny_model("llama", dtype=torch.float32, seed=12, head_dim=32)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = make_engine(model, num_pages=64).generate(prompts, params)
+    monkeypatch.setattr(native, "load", lambda: None)
+    monkeypatch.setattr(native, "_error", "RuntimeError: a build error")
+    with caplog.at_level(logging.INFO, logger="tokenq.engine"):
+        engine = make_engine(tiny_model("llama", dtype=torch.float32, seed=12, head_dim=32), num_pages=64)
+    assert not engine.runner.native_decode and not engine.runner.native_prefill
+    assert engine.runner.compiled is None
+    assert "the native attention kernel did not build: RuntimeError: a build error" in caplog.text
+    monkeypatch.undo()  # (the sampler's greedy picks ask native.load too)
+    assert engine.generate(prompts, params) == want

@@ -201,7 +201,7 @@ def test_engine_decodes_natively_on_the_fast_path_only():
 
 
 def test_turned_off_it_says_why_and_the_torch_path_runs(monkeypatch, caplog):
-    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_loaded", set())
     monkeypatch.setattr(native, "_error", None)
     monkeypatch.setenv("TOKENQ_NATIVE", "0")
     with caplog.at_level(logging.INFO, logger="tokenq.native"):
@@ -225,7 +225,7 @@ def test_a_build_killed_midway_does_not_block_the_next_start():
     import sys
     from pathlib import Path
 
-    build_dir = Path(native.build_directory())
+    build_dir = Path(native.build_directory(native.STEPS))
     stale = build_dir / "lock"
 
     @contextlib.contextmanager
@@ -257,14 +257,14 @@ def test_a_process_with_another_path_loads_the_build_without_rebuilding():
     from pathlib import Path
 
     assert native.load() is not None
-    lib = Path(native.build_directory()) / f"{native._name()}.so"
-    before = lib.stat().st_mtime_ns
+    libs = [Path(native.build_directory(name)) / f"{native._name(name)}.so" for name in native.LIBRARIES]
+    before = [lib.stat().st_mtime_ns for lib in libs]
     root = Path(__file__).resolve().parent.parent
     for path in ("/usr/bin:/bin", str(Path(sys.executable).parent) + os.pathsep + "/usr/bin:/bin"):
         done = subprocess.run([sys.executable, "-c", "from worker import native; print(native.load() is not None)"],
                               cwd=root, capture_output=True, text=True, timeout=300, env={**os.environ, "PATH": path})
         assert done.stdout.strip() == "True", done.stderr[-2000:]
-    assert lib.stat().st_mtime_ns == before
+    assert [lib.stat().st_mtime_ns for lib in libs] == before
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -329,3 +329,20 @@ def test_greedy_picks_are_torchs(dtype):
     # a strided view is read as its values
     x = torch.randn(64, 300, generator=gen).to(dtype).T
     assert torch.equal(native.argmax_rows(x), x.max(dim=-1).indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_engines_prefill_rule_is_the_kernels_own(dtype):
+    """The engine decides whether prefills go to the kernel (native.prefill_usable, read off the
+    compiler's macros before the kernel is built); the kernel checks its own rule
+    (paged_attention.cpp's prefill_supported): the two agree on every head size."""
+    for D in (16, 32, 48, 64, 96, 128, 256):
+        q, kc, vc, tables, flat, offsets, starts, lens = _prefill_case(dtype, D, 2, 2, seed=D, pages=60)
+        served = native.prefill_usable(torch.device("cpu"), dtype, D)
+        try:
+            native.paged_prefill(q, kc, vc, flat, offsets, starts, lens, D**-0.5, None, None)
+            ran = True
+        except RuntimeError as e:
+            assert "paged_prefill: float32 or bf16" in str(e)
+            ran = False
+        assert ran == served, (dtype, D)

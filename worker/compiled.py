@@ -96,6 +96,32 @@ def _(q, k, v, layer):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
+class _Compiled(Exception):
+    """The graph is compiled; this call was only to compile it (CompiledForward._compile_dry)."""
+
+
+class _Inductor:
+    """The Inductor backend, as torch.compile's "inductor", except that while ``dry`` is set the
+    compiled graph returns at once (raising _Compiled) instead of running: Dynamo has kept the
+    graph by then, and the next call with these shapes runs it. (It holds nothing of the
+    CompiledForward: Dynamo's cache keeps it, and the decoder's packed weights are freed with
+    the CompiledForward.)"""
+
+    dry = False
+
+    def __call__(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(gm, example_inputs)
+
+        def call(*args):
+            if self.dry:
+                raise _Compiled
+            return compiled(*args)
+
+        return call
+
+
 def _param(t: torch.Tensor | None) -> nn.Parameter | None:
     return None if t is None else nn.Parameter(t.detach(), requires_grad=False)
 
@@ -279,9 +305,30 @@ class CompiledForward:
         # recompile_limit entries (8): more than that many engines on different models in one
         # process (a test run) would fail to compile.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_DECODERS)
-        self.graph = torch.compile(self.decoder, fullgraph=True, dynamic=False)
+        # With the native attention op, the graph is compiled by a first call that does not run it
+        # (hidden): that library may still be building (worker/native.py).
+        self.backend = _Inductor()
+        self.graph = torch.compile(self.decoder, fullgraph=True, dynamic=False,
+                                   backend=self.backend if native_attention else "inductor")
         self.compile_s: float | None = None
         self.warm_sizes: set[int] = set()  # step sizes (tokens) already run once (see warm_sizes)
+
+    compiled_dry = False  # the graph compiled by a call that did not run it
+
+    def _compile_dry(self, ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Compile the graph for these inputs without running it, then wait for the native
+        attention kernel it calls (worker/native.py builds it in the background meanwhile).
+        Raises where it could not be built (get() then leaves the compiled forward off)."""
+        self.backend.dry = True
+        try:
+            self.graph(ids, positions)
+        except _Compiled:
+            pass
+        finally:
+            self.backend.dry = False
+        self.compiled_dry = True
+        if native.load() is None:
+            raise RuntimeError(f"the native attention kernel did not build: {native.error()}")
 
     def linears(self) -> str:
         """Which kernel runs the decoder's linears (for the engine's log line)."""
@@ -310,6 +357,8 @@ class CompiledForward:
         torch._dynamo.mark_dynamic(ids, 0)
         torch._dynamo.mark_dynamic(positions, 0)
         if self.native:
+            if not self.compiled_dry:
+                self._compile_dry(ids, positions)
             native.set_step(meta, self.scales, self.windows)
         else:
             _context.step = (meta, self.specs)
@@ -402,7 +451,7 @@ def warm_up(fwd: CompiledForward, model: nn.Module, eager: nn.Module, shape: dic
     # and a 2048-token prefill's SiLU took 2 ms a layer); tracing a long step instead gave the
     # same code but, measured, 40% slower prefill and decode steps (not understood).
     # cpp.vec_isa_ok: Inductor otherwise builds and loads a test program for each vector ISA
-    # the CPU reports, in every process (1.4 s of each start); where the native kernels built
+    # the CPU reports, in every process (1.4 s of each start); where the native linears built
     # with -march=native, this compiler already handles this CPU's instruction sets.
     # cpp_wrapper (CPU): the graph's calls (30 layers x a dozen kernels and GEMMs for SmolLM2)
     # made from C++ rather than from a Python wrapper, which spent about 5 ms of every step (a
@@ -414,7 +463,7 @@ def warm_up(fwd: CompiledForward, model: nn.Module, eager: nn.Module, shape: dic
     options = dict(freezing=True, emulate_precision_casts=True)
     if torch.device(device).type == "cpu":  # (CPU-only settings: a CUDA machine's torch may not know them)
         options.update(cpp_wrapper=True, cpp_wrapper_build_separate=True,
-                       **{"cpp.dynamic_threads": True, "cpp.vec_isa_ok": True if native.load() is not None else None})
+                       **{"cpp.dynamic_threads": True, "cpp.vec_isa_ok": True if native.load_linears() is not None else None})
     with inductor_config.patch(**options):
         got = steps(ModelRunner(None, cache, *kernels, compiled=fwd), prompts)
         steps(ModelRunner(None, cache, *kernels, compiled=fwd), prompts[:1])  # T = 1 (padded)

@@ -81,11 +81,13 @@ class Engine:
         model_len = max_exact_len(mcfg)
         self.max_model_len = min(cfg.max_model_len or model_len, model_len, num_pages * cfg.page_size)
         self.scheduler = Scheduler(cfg, self.allocator, self.max_model_len, host_alloc)
-        native_decode = cfg.fast_path and native.usable(self.device, self.dtype)
         fast = fastpath.forward_model(self.model, self.device, cfg.fast_path)
+        native_decode = cfg.fast_path and native.usable(self.device, self.dtype)  # (waits for the linears' build)
         native_prefill = native_decode and native.prefill_usable(self.device, self.dtype, head_dim)
-        self.runner = ModelRunner(fast, self.cache, native_decode, native_prefill,
-                                  compiled=self._compile(fast, shape, native_decode, native_prefill),
+        fwd = self._compile(fast, shape, native_decode, native_prefill)  # (its first step waits for the steps' build)
+        if native_decode and native.load() is None:  # they did not build (the linears did): torch ops attend
+            native_decode = native_prefill = False
+        self.runner = ModelRunner(fast, self.cache, native_decode, native_prefill, compiled=fwd,
                                   gpu_attention=no_gpu is None)
         if self.device.type == "cuda":
             self._capture(num_pages, no_gpu)

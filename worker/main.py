@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import threading
 
 from common.settings import Settings
 from worker.tuning import set_openmp_env
@@ -75,20 +74,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenq-worker: cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
               "the address is in use", file=sys.stderr)  # say so before the slow model load
         return 2
-    from worker import models
-    from worker.engine import Engine
-    from worker.service import Service
     from worker.tuning import freeze_heap, tune_process
 
     tune_process()
-    try:
-        on_cpu = models.resolve_device(settings.device).type == "cpu"
-    except RuntimeError:  # not a device: models.load says so below
-        on_cpu = False
-    if on_cpu:  # the native kernels build (15-20 s of g++ on a first start) while the model loads
-        from worker import native
+    import torch
 
-        threading.Thread(target=native.load, name="native-build", daemon=True).start()
+    from worker import native
+
+    device = settings.device.split(":")[0]
+    if device == "cpu" or (device in ("auto", "") and not torch.cuda.is_available()):
+        # the native kernels build (30 s of g++ on a first start) while the model loads and compiles:
+        # started before the imports below (transformers' take 2.5 s)
+        native.build_in_background()
+    from worker import models
+    from worker.engine import Engine
+    from worker.service import Service
 
     try:
         model, tokenizer = models.load(settings.model, settings.device, settings.dtype)

@@ -18,11 +18,12 @@ SDPA (AMX too, each chunk gathered out of the pool first) reached 230 and the ve
 with AVX512-BF16 alone as dot products of bf16 pairs (186-204 GFLOP/s on an AMD EPYC, against
 122-130 converting to float32).
 
-It is compiled on first use with the machine's own compiler (``-march=native``; 15-20 s,
-which ``tokenq-worker`` spends while the model loads) as a library of torch ops
-(``torch.ops.tokenq_native``), and cached by torch's extension builder (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``), keyed by the source and this CPU's instruction sets, so a
-restart loads it at once. Where it cannot be built (no compiler, not on CPU), the engine
+They are compiled on first use with the machine's own compiler (``-march=native``; 30 s of
+g++ in all) as two libraries of torch ops (``torch.ops.tokenq_native``, see LIBRARIES), which
+``tokenq-worker`` builds in the background while the model loads and its graph compiles, and
+cached by torch's extension builder (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``), keyed by the sources and this CPU's instruction sets, so a
+restart loads them at once. Where they cannot be built (no compiler, not on CPU), the engine
 keeps the torch path (worker/attention.py) and says so in one log line.
 """
 
@@ -30,25 +31,49 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
 import platform
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger("tokenq.native")
 
-# paged attention, the compiled forward's packed linears (MKL, AMX tiles, AVX-512 panels), greedy picks
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "greedy.cpp")]
-HEADERS = [Path(__file__).with_name("csrc") / "amx.h"]  # part of the build's key, not compiled alone
+CSRC = Path(__file__).with_name("csrc")
+# Two libraries, built one after the other (each cached on its own): the linears' first, which
+# the compiled forward needs before it is traced (it packs the weights the graph names by
+# handle), then the one steps run (paged attention and greedy picks: 21 s of g++ on an AMD EPYC,
+# paged_attention.cpp 14 s of it), which the compile does not wait for: the graph's attention op
+# is declared below, the graph is traced and compiled while that library builds, and its first
+# step waits for it (worker/compiled.py). A first start on two cores spent 13 s waiting for
+# the whole build with one core idle, then compiled on one core (the compile is one Python thread).
+LINEARS, STEPS = "linears", "steps"
+LIBRARIES = {  # name: (sources, headers: part of the build's key, not compiled alone)
+    LINEARS: ([CSRC / "packed_gemm.cpp"], [CSRC / "amx.h"]),
+    STEPS: ([CSRC / "paged_attention.cpp", CSRC / "greedy.cpp"], []),
+}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_lock = threading.Lock()
-_module = None
-_error: str | None = None
+_locks = {name: threading.Lock() for name in LIBRARIES}
+_loaded: set[str] = set()  # libraries built and loaded in this process
+_error: str | None = None  # why one could not be (the linears' failure stops the attention build too)
+_ops = torch.ops.tokenq_native  # the op namespace both libraries register into
+
+# The compiled graph's attention op, declared here rather than by its library so that the graph
+# can be traced before that library is built; paged_attention.cpp registers its CPU kernel.
+_lib = torch.library.Library("tokenq_native", "FRAGMENT")
+_lib.define("attend(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
+
+
+@torch.library.register_fake("tokenq_native::attend", lib=_lib)
+def _attend_fake(q, k, v, layer):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 def _cpuinfo(field: str) -> str | None:
@@ -67,17 +92,18 @@ def _cpu_key() -> str:
     return _cpuinfo("flags") or platform.processor() or platform.machine()
 
 
-def _name() -> str:
-    sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    key = hashlib.sha1(sources + _cpu_key().encode() + torch.__version__.encode()).hexdigest()[:12]
-    return f"tokenq_native_{key}"
+def _name(library: str) -> str:
+    sources, headers = LIBRARIES[library]
+    text = b"".join(path.read_bytes() for path in sources + headers)
+    key = hashlib.sha1(text + _cpu_key().encode() + torch.__version__.encode()).hexdigest()[:12]
+    return f"tokenq_native_{library}_{key}"
 
 
-def build_directory() -> str:
-    """Where torch's extension builder keeps this source's build for this CPU (created if missing)."""
+def build_directory(library: str) -> str:
+    """Where torch's extension builder keeps this library's build for this CPU (created if missing)."""
     from torch.utils import cpp_extension
 
-    return cpp_extension._get_build_directory(_name(), False)
+    return cpp_extension._get_build_directory(_name(library), False)
 
 
 @contextlib.contextmanager
@@ -100,59 +126,92 @@ def _build_lock(build_dir: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-@contextlib.contextmanager
-def _our_ninja():
+_path_lock = threading.Lock()
+
+
+def _our_ninja() -> None:
     """Torch's builder runs whichever ``ninja`` comes first on PATH, and ninja rebuilds everything
     when the build log was written by another version (1.11 and 1.13 hash commands differently):
     processes started with the virtual environment's bin on PATH and processes started without it
     (a system ninja first) rebuilt the kernels in turn, 25-45 s each time, while every engine
-    start waited on the build lock. The ``ninja`` package (a dependency) is put first for the
-    build, so every process uses the same one."""
+    start waited on the build lock. The ``ninja`` package (a dependency) is put first on PATH, so
+    every process uses the same one. For good: the two libraries build at once in two threads,
+    and one putting PATH back while the other's builder started ran the other ninja."""
     try:
         import ninja
 
         first = ninja.BIN_DIR
     except (ImportError, AttributeError):  # no package: whatever PATH finds, as torch would
-        yield
         return
-    path = os.environ.get("PATH", "")
-    os.environ["PATH"] = first + os.pathsep + path
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = path
+    with _path_lock:
+        path = os.environ.get("PATH", "")
+        if not path.startswith(first + os.pathsep):
+            os.environ["PATH"] = first + os.pathsep + path
+
+
+def _build(library: str) -> bool:
+    """Build (or find built) and load one library; False, with ``_error`` set, where it cannot be."""
+    global _error
+    if library in _loaded:  # (asked every step, through argmax_usable: no lock then)
+        return True
+    with _locks[library]:
+        if library in _loaded or _error is not None:
+            return library in _loaded
+        if os.environ.get("TOKENQ_NATIVE", "1") == "0":
+            _error = "turned off (TOKENQ_NATIVE=0)"
+            log.info("native kernels %s: the torch path runs", _error)
+            return False
+        try:
+            from torch.utils import cpp_extension
+
+            t = time.perf_counter()
+            name, build_dir = _name(library), build_directory(library)
+            _our_ninja()
+            with _build_lock(build_dir):
+                # a library of torch ops (torch.ops.tokenq_native), not a Python module: see
+                # the sources' ends
+                cpp_extension.load(
+                    name=name,
+                    sources=[str(path) for path in LIBRARIES[library][0]],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=build_dir,
+                    is_python_module=False,
+                    verbose=False,
+                )
+            _loaded.add(library)
+            log.info("native kernels: the %s library is ready (%.1f s)", library, time.perf_counter() - t)
+        except Exception as e:  # noqa: BLE001 - no compiler, no headers, a build error: the torch path
+            _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+            log.warning("native kernels unavailable (%s): the torch path runs", _error)
+    return library in _loaded
+
+
+def load_linears():
+    """The op namespace once the linears' library (packed linears, greedy picks) is loaded, building
+    it if need be; None where it cannot be (``error()`` says why)."""
+    return _ops if _build(LINEARS) else None
 
 
 def load():
-    """The compiled module (None when it cannot be built here; ``error()`` says why)."""
-    global _module, _error
-    with _lock:
-        if _module is None and _error is None:
-            if os.environ.get("TOKENQ_NATIVE", "1") == "0":
-                _error = "turned off (TOKENQ_NATIVE=0)"
-                log.info("native decode attention %s: the torch path runs", _error)
-                return None
-            try:
-                from torch.utils import cpp_extension
+    """The op namespace once both libraries are loaded (None when they cannot be built here;
+    ``error()`` says why)."""
+    return _ops if _build(LINEARS) and _build(STEPS) else None
 
-                name, build_dir = _name(), build_directory()
-                with _build_lock(build_dir), _our_ninja():
-                    # a library of torch ops (torch.ops.tokenq_native), not a Python module: see
-                    # the source's end
-                    cpp_extension.load(
-                        name=name,
-                        sources=[str(path) for path in SOURCES],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                        extra_ldflags=["-fopenmp"],
-                        build_directory=build_dir,
-                        is_python_module=False,
-                        verbose=False,
-                    )
-                _module = torch.ops.tokenq_native
-            except Exception as e:  # noqa: BLE001 - no compiler, no headers, a build error: the torch path
-                _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
-                log.warning("native decode attention unavailable (%s): the torch path runs", _error)
-    return _module
+
+def build_in_background() -> None:
+    """Start both builds, each in a thread of its own (``tokenq-worker``, at start): the linears'
+    beside the model's load, the steps' below the process's priority (its compilers inherit
+    the thread's nice), so that on two cores it takes only what the load and then the compile,
+    one Python thread, leave idle."""
+    def build(library: str, nice: int):
+        if nice:
+            with contextlib.suppress(OSError, AttributeError):  # (per thread: Linux)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        _build(library)
+
+    for library, nice in ((LINEARS, 0), (STEPS, 10)):
+        threading.Thread(target=build, args=(library, nice), name=f"native-build-{library}", daemon=True).start()
 
 
 def error() -> str | None:
@@ -160,26 +219,53 @@ def error() -> str | None:
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the kernel serves decode attention for a pool on ``device`` in ``dtype``."""
-    return device.type == "cpu" and dtype in DTYPES and load() is not None
+    """Whether the kernels serve decode attention for a pool on ``device`` in ``dtype``. Asked of
+    the linears' library: the steps' library, built by the same compiler from the same headers,
+    may still be building (``load()`` waits for it; where it fails, the engine takes the torch path)."""
+    return device.type == "cpu" and dtype in DTYPES and load_linears() is not None
+
+
+def _attention():
+    """The op namespace with the steps' library loaded (waiting for its build)."""
+    if STEPS not in _loaded and load() is None:
+        raise RuntimeError(f"the native kernels are not available: {_error}")
+    return _ops
 
 
 def paged_decode(q, kc, vc, tables, offsets, ctx, scale: float, window: int | None, softcap: float | None,
                  sinks: torch.Tensor | None) -> torch.Tensor:
     """q [n, H, D] -> [n, H, D]; see worker/csrc/paged_attention.cpp."""
-    return _module.paged_decode(q, kc, vc, tables, offsets, ctx, float(scale), int(window or 0), float(softcap or 0.0),
+    return _attention().paged_decode(q, kc, vc, tables, offsets, ctx, float(scale), int(window or 0), float(softcap or 0.0),
                                 sinks if sinks is not None else _EMPTY)
 
 
 def prefill_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the prefill kernel serves a pool on ``device`` in ``dtype`` with this head size."""
-    return usable(device, dtype) and _module.prefill_supported(dtype, head_dim)
+    """Whether the prefill kernel serves a pool on ``device`` in ``dtype`` with this head size:
+    float32 or bf16, head sizes 32 to 256, compiled for AVX-512 or AVX2 with FMA (its ``#if``:
+    paged_attention.cpp's ``prefill_supported``, which its op checks). Asked of the compiler's
+    macros for ``-march=native`` (the build's own flags), so that the engine can choose before
+    the steps' library is built."""
+    if not usable(device, dtype) or dtype not in (torch.float32, torch.bfloat16) or head_dim not in (32, 64, 128, 256):
+        return False
+    macros = _compiler_macros()
+    return "__AVX512F__" in macros or {"__AVX2__", "__FMA__"} <= macros
+
+
+@functools.cache
+def _compiler_macros() -> frozenset[str]:
+    """The macros the builds' compiler (torch's: $CXX, else c++) predefines with -march=native."""
+    try:
+        done = subprocess.run([os.environ.get("CXX", "c++"), "-march=native", "-dM", "-E", "-x", "c++", os.devnull],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    return frozenset(line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define "))
 
 
 def paged_prefill(q, kc, vc, tables, offsets, starts, lens, scale: float, window: int | None,
                   sinks: torch.Tensor | None) -> torch.Tensor:
     """q [T, H, D] (the step's prefill chunks) -> [T, H, D]; see worker/csrc/paged_attention.cpp."""
-    return _module.paged_prefill(q, kc, vc, tables, offsets, starts, lens, float(scale), int(window or 0),
+    return _attention().paged_prefill(q, kc, vc, tables, offsets, starts, lens, float(scale), int(window or 0),
                                  sinks if sinks is not None else _EMPTY)
 
 
@@ -188,16 +274,16 @@ def set_step(meta, scales: list[float], windows: list[int]) -> None:
     ``tokenq_native::attend`` calls in this thread serve, with each layer's scale and window."""
     dec = meta.dec_tables if meta.dec_tables is not None else (_EMPTY_LONG,) * 3
     pre = meta.pre_tables if meta.pre_tables is not None else (_EMPTY_LONG,) * 4
-    _module.set_step(meta.k, meta.v, meta.write_pages, meta.write_offs, meta.n_dec, *dec, *pre, scales, windows)
+    _attention().set_step(meta.k, meta.v, meta.write_pages, meta.write_offs, meta.n_dec, *dec, *pre, scales, windows)
 
 
 def clear_step() -> None:
-    _module.clear_step()
+    _attention().clear_step()
 
 
 def write_kv(k, v, kc, vc, pages, offs) -> None:
     """k, v [T, kv_heads, D] into kc, vc [pages, kv_heads, page_size, D] at (pages[t], offs[t])."""
-    _module.write_kv(k, v, kc, vc, pages, offs)
+    _attention().write_kv(k, v, kc, vc, pages, offs)
 
 
 _EMPTY = torch.empty(0)
@@ -208,7 +294,7 @@ def packed_gemm_usable(dtype: torch.dtype) -> bool:
     """Whether linears in ``dtype`` can run through weights packed here (worker/csrc/packed_gemm.cpp):
     float32 through MKL's packed SGEMM (a torch with MKL) or AVX-512 vector panels (an AMD CPU),
     bf16 on AMX tiles (a CPU with AMX) or AVX512-BF16 dot products (one without)."""
-    return load() is not None and bool(_module.gemm_supported(dtype))
+    return load_linears() is not None and bool(_ops.gemm_supported(dtype))
 
 
 MKL = "MKL's packed SGEMM"  # packed_gemm_kernel's name for it
@@ -216,7 +302,7 @@ MKL = "MKL's packed SGEMM"  # packed_gemm_kernel's name for it
 
 def packed_gemm_kernel(dtype: torch.dtype) -> str:
     """Which kernel serves packed linears in ``dtype`` here, in words (the engine's log line)."""
-    return _module.gemm_kernel(dtype) if load() is not None else "none"
+    return _ops.gemm_kernel(dtype) if load_linears() is not None else "none"
 
 
 def packed_gemm_preferred(dtype: torch.dtype) -> bool:
@@ -241,7 +327,7 @@ def argmax_usable(logits: torch.Tensor) -> bool:
         return False
     ok = _argmax_dtypes.get(logits.dtype)
     if ok is None:
-        ok = _argmax_dtypes[logits.dtype] = bool(_module.argmax_supported(logits.dtype))
+        ok = _argmax_dtypes[logits.dtype] = bool(_ops.argmax_supported(logits.dtype))
     return ok
 
 
@@ -251,15 +337,15 @@ _argmax_dtypes: dict[torch.dtype, bool] = {}
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first largest value's index (a row with a NaN: its first NaN), as
     ``logits.max(dim=-1).indices``; see worker/csrc/greedy.cpp."""
-    return _module.argmax_rows(logits)
+    return _ops.argmax_rows(logits)
 
 
 def gemm_pack(w: torch.Tensor) -> int:
     """A handle to ``w`` [N, K] (float32: for MKL; bf16: in AMX tiles and for oneDNN); free it
     with gemm_release. The graph calls ``torch.ops.tokenq_native.gemm_packed(x, handle)``."""
-    return int(_module.gemm_pack(w))
+    return int(_ops.gemm_pack(w))
 
 
 def gemm_release(handle: int) -> None:
-    if _module is not None:
-        _module.gemm_release(handle)
+    if LINEARS in _loaded:
+        _ops.gemm_release(handle)

@@ -1489,7 +1489,9 @@ void write_kv(at::Tensor k, at::Tensor v, at::Tensor kc, at::Tensor vc, at::Tens
   });
 }
 
-// Whether paged_prefill serves q of this dtype and head size here (else the torch path does).
+// Whether paged_prefill serves q of this dtype and head size here (else the torch path does). The
+// engine asks worker/native.py's prefill_usable, which reads the same rule off the compiler's
+// macros before this file is built: change both together (tests/test_native.py checks them).
 bool prefill_supported(at::ScalarType dtype, int64_t head_size) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return (dtype == at::kFloat || dtype == at::kBFloat16) &&
@@ -1643,21 +1645,17 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return out.view({T, H * D});
 }
 
-at::Tensor attend_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer) {
-  return at::empty_symint({q.sym_size(0), q.sym_size(1) * q.sym_size(2)}, q.options());
-}
-
 // Registered as torch ops only (no Python module): the build then needs ATen's and the op
 // registry's headers, not torch/extension.h (pybind11 and the whole C++ frontend), which took
-// most of a cold start's 40 s build.
-TORCH_LIBRARY(tokenq_native, m) {
-  m.def("attend(Tensor q, Tensor k, Tensor v, int layer) -> Tensor");
+// most of a cold start's 40 s build. A fragment: ``attend``, the compiled graph's op, is declared
+// in worker/native.py (with its shape function), so that the graph is traced while this file
+// builds; packed_gemm.cpp and greedy.cpp add their own ops.
+TORCH_LIBRARY_FRAGMENT(tokenq_native, m) {
   m.def("paged_decode(Tensor q, Tensor kc, Tensor vc, Tensor tables, Tensor offsets, Tensor ctx, float scale, "
         "int window, float softcap, Tensor sinks) -> Tensor");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) kc, Tensor(b!) vc, Tensor pages, Tensor offs) -> ()");
   m.def("paged_prefill(Tensor q, Tensor kc, Tensor vc, Tensor tables, Tensor offsets, Tensor starts, Tensor lens, "
         "float scale, int window, Tensor sinks) -> Tensor");
-  m.def("prefill_supported(ScalarType dtype, int head_size) -> bool", prefill_supported);
   m.def("set_step(Tensor k, Tensor v, Tensor write_pages, Tensor write_offs, int n_dec, Tensor dec_tables, "
         "Tensor dec_offsets, Tensor dec_ctx, Tensor pre_tables, Tensor pre_offsets, Tensor pre_starts, Tensor pre_lens, "
         "float[] scales, int[] windows) -> ()", set_step);
@@ -1669,4 +1667,3 @@ TORCH_LIBRARY_IMPL(tokenq_native, CPU, m) {
   m.impl("write_kv", write_kv);
   m.impl("paged_prefill", paged_prefill);
 }
-TORCH_LIBRARY_IMPL(tokenq_native, Meta, m) { m.impl("attend", attend_meta); }

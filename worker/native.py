@@ -46,11 +46,11 @@ import torch
 log = logging.getLogger("tokenq.native")
 
 CSRC = Path(__file__).with_name("csrc")
-# Two libraries, built one after the other (each cached on its own): the linears' first, which
-# the compiled forward needs before it is traced (it packs the weights the graph names by
-# handle), then the one steps run (paged attention and greedy picks: 21 s of g++ on an AMD EPYC,
-# paged_attention.cpp 14 s of it), which the compile does not wait for: the graph's attention op
-# is declared below, the graph is traced and compiled while that library builds, and its first
+# Two libraries, each built and cached on its own: the linears', which the compiled forward
+# needs before it is traced (it packs the weights the graph names by handle), and the one steps
+# run (paged attention and greedy picks: 21 s of g++ on an AMD EPYC, paged_attention.cpp 14 s of
+# it), which the compile does not wait for: the graph's attention op is declared below, the
+# graph is traced and compiled while that library builds (build_in_background), and its first
 # step waits for it (worker/compiled.py). A first start on two cores spent 13 s waiting for
 # the whole build with one core idle, then compiled on one core (the compile is one Python thread).
 LINEARS, STEPS = "linears", "steps"
@@ -62,7 +62,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _locks = {name: threading.Lock() for name in LIBRARIES}
 _loaded: set[str] = set()  # libraries built and loaded in this process
-_error: str | None = None  # why one could not be (the linears' failure stops the attention build too)
+_error: str | None = None  # why one could not be built (then neither is tried again)
 _ops = torch.ops.tokenq_native  # the op namespace both libraries register into
 
 # The compiled graph's attention op, declared here rather than by its library so that the graph
@@ -188,8 +188,8 @@ def _build(library: str) -> bool:
 
 
 def load_linears():
-    """The op namespace once the linears' library (packed linears, greedy picks) is loaded, building
-    it if need be; None where it cannot be (``error()`` says why)."""
+    """The op namespace once the linears' library (the packed linears and their queries) is
+    loaded, building it if need be; None where it cannot be (``error()`` says why)."""
     return _ops if _build(LINEARS) else None
 
 

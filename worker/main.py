@@ -74,9 +74,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenq-worker: cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
               "the address is in use", file=sys.stderr)  # say so before the slow model load
         return 2
-    from worker.tuning import freeze_heap, tune_process
-
-    tune_process()
     import torch
 
     from worker import native
@@ -89,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     from worker import models
     from worker.engine import Engine
     from worker.service import Service
+    from worker.tuning import freeze_heap, tune_process
 
+    tune_process()
     try:
         model, tokenizer = models.load(settings.model, settings.device, settings.dtype)
     except (OSError, ValueError) as e:

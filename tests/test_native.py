@@ -346,3 +346,35 @@ def test_the_engines_prefill_rule_is_the_kernels_own(dtype):
             assert "paged_prefill: float32 or bf16" in str(e)
             ran = False
         assert ran == served, (dtype, D)
+
+
+def test_the_background_builds_import_nothing():
+    """tokenq-worker starts the builds (native.build_in_background) and goes on importing
+    transformers: a build thread importing at the same time deadlocked on Python's import locks
+    once, and the worker died with a partly initialised module. Whatever the builds import is
+    imported before their threads start."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import sys, threading
+seen = []
+class Spy:
+    def find_spec(self, name, path=None, target=None):
+        if threading.current_thread().name.startswith("native-build"):
+            seen.append((threading.current_thread().name, name))
+        return None
+import torch
+from worker import native
+sys.meta_path.insert(0, Spy())
+native.build_in_background()
+for t in [t for t in threading.enumerate() if t.name.startswith("native-build")]:
+    t.join()
+assert native.load() is not None, native.error()
+print("imports in build threads:", seen)
+"""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "imports in build threads: []", done.stdout

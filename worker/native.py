@@ -204,6 +204,16 @@ def build_in_background() -> None:
     beside the model's load, the steps' below the process's priority (its compilers inherit
     the thread's nice), so that on two cores it takes only what the load and then the compile,
     one Python thread, leave idle."""
+    # What the builds import, imported here, in the caller's thread: the builds' threads then
+    # import nothing while the caller goes on importing (tokenq-worker: transformers). Two threads
+    # importing at once deadlocked on Python's import locks once; Python then hands one of them
+    # a partly initialised module, and the worker died ("cannot import name ... from partially
+    # initialized module 'transformers'").
+    from torch.utils import cpp_extension  # noqa: F401
+
+    with contextlib.suppress(ImportError):
+        import ninja  # noqa: F401
+
     def build(library: str, nice: int):
         if nice:
             with contextlib.suppress(OSError, AttributeError):  # (per thread: Linux)

@@ -34,7 +34,7 @@ RUN pip install . \
 # volume in compose.yaml): the native kernels (torch_extensions, through XDG_CACHE_HOME) and
 # Inductor's kernels for the compiled forward, whose default is under /tmp and so lost with
 # the container. With both kept, a recreated or scaled-out worker skips the g++ build and most
-# of the compile (SmolLM2 bf16 on a 2-core AMD EPYC: 52-57 s to serving from empty caches,
+# of the compile (SmolLM2 bf16 on a 2-core AMD EPYC: 48-57 s to serving from empty caches,
 # 26-29 s on them).
 RUN useradd --create-home --uid 1000 tokenq \
  && mkdir -p /cache \

@@ -307,9 +307,8 @@ class CompiledForward:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_DECODERS)
         # With the native attention op, the graph is compiled by a first call that does not run it
         # (hidden): that library may still be building (worker/native.py).
-        self.backend = _Inductor()
-        self.graph = torch.compile(self.decoder, fullgraph=True, dynamic=False,
-                                   backend=self.backend if native_attention else "inductor")
+        self.backend = _Inductor() if native_attention else "inductor"
+        self.graph = torch.compile(self.decoder, fullgraph=True, dynamic=False, backend=self.backend)
         self.compile_s: float | None = None
         self.warm_sizes: set[int] = set()  # step sizes (tokens) already run once (see warm_sizes)
 

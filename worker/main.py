@@ -74,16 +74,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenq-worker: cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
               "the address is in use", file=sys.stderr)  # say so before the slow model load
         return 2
-    import torch
+    from worker import models, native  # (torch only: transformers loads with the engine, below)
 
-    from worker import native
-
-    device = settings.device.split(":")[0]
-    if device == "cpu" or (device in ("auto", "") and not torch.cuda.is_available()):
+    try:
+        on_cpu = models.resolve_device(settings.device).type == "cpu"
+    except RuntimeError:  # not a device: models.load says so below
+        on_cpu = False
+    if on_cpu:
         # the native kernels build (30 s of g++ on a first start) while the model loads and compiles:
         # started before the imports below (transformers' take 2.5 s)
         native.build_in_background()
-    from worker import models
     from worker.engine import Engine
     from worker.service import Service
     from worker.tuning import freeze_heap, tune_process

@@ -166,8 +166,8 @@ def test_engines_on_one_model_share_the_graph(llama32):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linears_run_through_packed_weights_freed_with_the_graph(dtype):
     """On CPU the decoder's four linears a layer go through worker/csrc/packed_gemm.cpp where
-    asked, by default where its kernel is the faster one (float32: MKL on Intel CPUs, AVX-512 on
-    AMD ones; bf16: AMX tiles or AVX512-BF16); the packed copies are released with the decoder that made them, and its products
+    asked, by default where its kernel is the faster one (float32: AVX-512, then MKL on Intel
+    CPUs or oneDNN on AMD ones; bf16: AMX tiles or AVX512-BF16); the packed copies are released with the decoder that made them, and its products
     are the eager model's."""
     from worker import native
 
@@ -182,11 +182,12 @@ def test_linears_run_through_packed_weights_freed_with_the_graph(dtype):
     handles = [h for L in fwd.decoder.layers for h in L.handles()]
     assert fwd.packed and len(handles) == 4 * len(fwd.decoder.layers) and layer.qkv_w is None
     kernels = {torch.bfloat16: ("AMX tiles (oneDNN past 128 rows)", "AVX512-BF16 vectors (oneDNN past 64 rows)"),
-               torch.float32: (native.MKL, "AVX-512 vectors (oneDNN past 32 rows)")}[dtype]
+               torch.float32: (native.MKL, "AVX-512 vectors (oneDNN past 32 rows)",
+                               "AVX-512 vectors (MKL's packed SGEMM past 24 rows)")}[dtype]
     assert fwd.linears() in kernels
-    assert fwd.onednn == (fwd.linears() != native.MKL)  # rows past the kernel's go to oneDNN: padded
+    assert fwd.onednn == ("oneDNN" in fwd.linears())  # rows past the kernel's go to oneDNN: padded
     at = model.model.layers[0].self_attn
-    for rows in (5, 200):  # bf16: the packed kernel, then oneDNN
+    for rows in (5, 200):  # the packed kernel, then the one past its rows
         x = torch.randn(rows, model.config.hidden_size).to(dtype)
         want = torch.cat([at.q_proj(x), at.k_proj(x), at.v_proj(x)], -1)
         tol = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)

@@ -116,14 +116,14 @@ def test_step_logits_match_eager(fp32_models, family):
 
 
 def test_the_float32_linear_kernel_not_picked_here_matches_eager_too(fp32_models, monkeypatch):
-    """The compiled forward's float32 linears run through MKL's packed SGEMM on Intel CPUs, AVX-512
-    vector panels on AMD ones, and oneDNN's packed linears elsewhere (worker/native.py:
+    """The compiled forward's float32 linears run through AVX-512 vector panels (and past their rows
+    MKL's packed SGEMM on Intel CPUs, oneDNN on AMD ones), and oneDNN's packed linears elsewhere (worker/native.py:
     packed_gemm_preferred); the tests above hold this machine's pick to eager, this one the other
     kernel."""
     from worker import native
 
     if not native.packed_gemm_usable(torch.float32):
-        pytest.skip("no packed float32 kernel here (MKL, or AVX-512 on AMD)")
+        pytest.skip("no packed float32 kernel here (AVX-512, or MKL on Intel)")
     other = not native.packed_gemm_preferred(torch.float32)
     monkeypatch.setattr(native, "packed_gemm_preferred", lambda dtype: other)
     engine = _assert_step_logits_match_eager(fp32_models["llama"][0], seed=150)

@@ -269,9 +269,10 @@ def test_a_process_with_another_path_loads_the_build_without_rebuilding():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_gemm_serves_every_row_count(dtype):
-    """worker/csrc/packed_gemm.cpp packs a weight once (float32: for MKL, told 64 rows; bf16: in
-    AMX tiles up to 128 rows, or without AMX in key pairs for AVX512-BF16 up to 64, and for
-    oneDNN past them); the compiled forward runs it at every
+    """worker/csrc/packed_gemm.cpp packs a weight once (float32: in panels for AVX-512 up to 24
+    rows on Intel, 32 on AMD, and for MKL (told 64 rows) or oneDNN past them; bf16: in AMX tiles
+    up to 128 rows, or without AMX in key pairs for AVX512-BF16 up to 64, and for oneDNN past
+    them); the compiled forward runs it at every
     step's row count, so each must give x @ w.T as closely as F.linear does. Shapes whose sizes
     are not multiples of 32 (bf16: oneDNN's alone) are served too."""
     if not native.packed_gemm_usable(dtype):
@@ -281,7 +282,7 @@ def test_packed_gemm_serves_every_row_count(dtype):
         w = torch.randn(N, K, generator=gen).to(dtype)
         handle = native.gemm_pack(w)
         try:
-            for M in (0, 1, 2, 7, 16, 17, 33, 63, 64, 65, 128, 129, 300, 2048):
+            for M in (0, 1, 2, 7, 16, 17, 24, 25, 32, 33, 63, 64, 65, 128, 129, 300, 2048):
                 x = torch.randn(M, K, generator=gen).to(dtype)
                 y = torch.ops.tokenq_native.gemm_packed(x, handle)
                 want = x.double() @ w.double().T

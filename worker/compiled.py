@@ -7,8 +7,8 @@ sizes. Here the same computation is written once as plain tensor code over the m
 weights and compiled whole by Inductor, which fuses those ops into a few loops, packs the
 frozen weights for oneDNN and merges nothing the code does not merge itself (q/k/v and
 gate/up are concatenated here). bf16 linears are packed into AMX tiles instead on a CPU with
-AMX, for AVX512-BF16 dot products on one without, and float32 on an Intel CPU for MKL's SGEMM
-(worker/csrc/packed_gemm.cpp): the faster kernels there at decode row counts.
+AMX, for AVX512-BF16 dot products on one without, and float32 for AVX-512 FMAs and (Intel)
+MKL's SGEMM (worker/csrc/packed_gemm.cpp): the faster kernels there at decode row counts.
 
 One graph serves every step:
 
@@ -295,9 +295,9 @@ class CompiledForward:
         attend = torch.ops.tokenq_native.attend if native_attention else torch.ops.tokenq.paged_attention
         self.packed = packed_linears(model) if packed is None else packed
         # some linears are oneDNN's (packed by Inductor, or steps past the packed kernel's rows,
-        # all but MKL's): each new row count costs a primitive (ROW_STEP)
+        # but for MKL's): each new row count costs a primitive (ROW_STEP)
         w = next(model.parameters())
-        self.onednn = w.device.type == "cpu" and (not self.packed or native.packed_gemm_kernel(w.dtype) != native.MKL)
+        self.onednn = w.device.type == "cpu" and (not self.packed or native.packed_gemm_onednn(w.dtype))
         self.decoder = Decoder(model, max_len, attend, self.packed).eval()
         self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
         # Each decoder is its own graph (its weights are frozen into it; Dynamo guards on the
@@ -372,8 +372,8 @@ class CompiledForward:
 
 def packed_linears(model: nn.Module) -> bool:
     """Whether the decoder's linears go through worker/csrc/packed_gemm.cpp: on a CPU where its
-    kernels beat Inductor's oneDNN packing at decode row counts (bf16: one with AMX; float32:
-    an Intel one, MKL). Asked only there: anywhere else the question would build the CPU
+    kernels beat Inductor's oneDNN packing at decode row counts (bf16: AMX or AVX512-BF16;
+    float32: AVX-512, or an Intel CPU's MKL). Asked only there: anywhere else the question would build the CPU
     kernels for nothing."""
     w = next(model.parameters())
     return w.device.type == "cpu" and w.dtype in COMPILED_DTYPES and native.packed_gemm_preferred(w.dtype)

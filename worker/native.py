@@ -302,8 +302,9 @@ _EMPTY_LONG = torch.empty(0, dtype=torch.long)
 
 def packed_gemm_usable(dtype: torch.dtype) -> bool:
     """Whether linears in ``dtype`` can run through weights packed here (worker/csrc/packed_gemm.cpp):
-    float32 through MKL's packed SGEMM (a torch with MKL) or AVX-512 vector panels (an AMD CPU),
-    bf16 on AMX tiles (a CPU with AMX) or AVX512-BF16 dot products (one without)."""
+    float32 through AVX-512 vector panels at a decode step's fewest rows and MKL's packed SGEMM
+    (Intel) or oneDNN (AMD) past them, or MKL's alone (a torch with MKL, no AVX-512), bf16 on AMX
+    tiles (a CPU with AMX) or AVX512-BF16 dot products (one without)."""
     return load_linears() is not None and bool(_ops.gemm_supported(dtype))
 
 
@@ -315,11 +316,17 @@ def packed_gemm_kernel(dtype: torch.dtype) -> str:
     return _ops.gemm_kernel(dtype) if load_linears() is not None else "none"
 
 
+def packed_gemm_onednn(dtype: torch.dtype) -> bool:
+    """Whether oneDNN serves some row counts of the packed linears in ``dtype`` here (those past
+    the packed kernel's): each new row count then costs oneDNN a primitive (worker/compiled.py)."""
+    return "oneDNN" in packed_gemm_kernel(dtype)
+
+
 def packed_gemm_preferred(dtype: torch.dtype) -> bool:
     """Whether linears in ``dtype`` should take the packed kernels here: bf16 wherever AMX or
-    AVX512-BF16 is, float32 on an AMD CPU with AVX-512 (decode steps' linears overlap reading their
-    weights with their products there, oneDNN's did not: worker/csrc/packed_gemm.cpp), and
-    float32 where MKL serves and the CPU is Intel's. At decode row counts (SmolLM2's shapes, 2
+    AVX512-BF16 is, float32 on a CPU with AVX-512 (decode steps' linears overlap reading their
+    weights with their products there, oneDNN's and MKL's did not: worker/csrc/packed_gemm.cpp),
+    and float32 where MKL serves and the CPU is Intel's. At decode row counts (SmolLM2's shapes, 2
     threads) MKL beat oneDNN's packed linears on an Intel Xeon (AVX-512: decode steps 6-15%
     faster) and lost on an AMD EPYC (AVX2: decode steps at 64 / 16 / 1 sequences 220 / 114 / 63
     ms against oneDNN's 193 / 76 / 39; MKL's kernels there ran no faster than its unpacked SGEMM)."""

@@ -1,7 +1,7 @@
 // Linears through weights packed once, for the compiled forward (worker/compiled.py): float32
-// through MKL's packed SGEMM (Intel) or AVX-512 vector panels (AMD), bfloat16 at decode row
-// counts through AMX tile products, or where there is no AMX through AVX512-BF16 dot products
-// (gemm_panels, below).
+// through AVX-512 vector panels at a decode step's fewest rows and, past them, MKL's packed
+// SGEMM (Intel) or oneDNN's (AMD), bfloat16 at decode row counts through AMX tile products, or
+// where there is no AMX through AVX512-BF16 dot products (gemm_panels, below).
 //
 // float32. Inductor packs a frozen float32 linear for oneDNN when the token dimension is
 // dynamic (it uses MKL's packed SGEMM only for a fixed row count). At the row counts of decode
@@ -77,11 +77,13 @@ const Mkl& mkl() {
 }
 
 struct Packed {
+  enum class Kernel { onednn, mkl, tiles, panels };
   int64_t n, k;
   at::ScalarType dtype;
-  at::Tensor buffer;  // the weight as `kernel` reads it (MKL's packed B, AMX tiles, panels)
-  at::Tensor onednn;  // oneDNN's packed copy, for rows past the kernel's (all but MKL)
-  enum class Kernel { onednn, mkl, tiles, panels } kernel = Kernel::onednn;
+  Kernel kernel = Kernel::onednn;  // rows up to kernel_rows(kernel, dtype)
+  at::Tensor buffer;               // the weight as `kernel` reads it (MKL's packed B, AMX tiles, panels)
+  Kernel past = Kernel::onednn;    // rows past them (all when kernel is oneDNN's; none for MKL's)
+  at::Tensor past_buffer;          // the weight as `past` reads it: oneDNN's or MKL's packed copy
 };
 
 std::mutex registry_lock;
@@ -118,9 +120,9 @@ at::Tensor pack_mkl(const at::Tensor& w) {
   return buffer;
 }
 
-void gemm_mkl(const Packed& p, const at::Tensor& x, at::Tensor& y) {
+void gemm_mkl(const Packed& p, const at::Tensor& packed, const at::Tensor& x, at::Tensor& y) {
   mkl().compute(kRowMajor, kNoTrans, kPacked, int(x.size(0)), int(p.n), int(p.k), x.data_ptr<float>(), int(p.k),
-                p.buffer.data_ptr<float>(), int(p.k), 0.0f, y.data_ptr<float>(), int(p.n));
+                packed.data_ptr<float>(), int(p.k), 0.0f, y.data_ptr<float>(), int(p.n));
 }
 
 // ---------------------------------------------------------------------------- bfloat16: oneDNN
@@ -137,9 +139,9 @@ at::Tensor pack_onednn(const at::Tensor& w) {
   return call(op, {w, c10::IValue(int64_t(kPackRows))});
 }
 
-at::Tensor gemm_onednn(const Packed& p, const at::Tensor& x) {
+at::Tensor gemm_onednn(const at::Tensor& packed, const at::Tensor& x) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  return call(op, {x, p.onednn, c10::IValue(), c10::IValue(std::string("none")),
+  return call(op, {x, packed, c10::IValue(), c10::IValue(std::string("none")),
                    c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()});
 }
 
@@ -261,8 +263,14 @@ void gemm_tiles(const Packed& p, const at::Tensor& x, at::Tensor& y) {
 // pair per 32-bit lane of two vectors; float32: one key), multiplies 12 rows at a time (24
 // accumulators; bf16 VDPBF16PS, each row's key pair broadcast against the panel's two vectors;
 // float32 FMAs of each row's key) and prefetches the weight stream 32 KB ahead into L2, spread
-// over the panel's passes. bf16 takes it wherever there is AVX512-BF16 and no AMX; float32 on
-// AMD (on Intel MKL's packed SGEMM was the faster one).
+// over the panel's passes. bf16 takes it wherever there is AVX512-BF16 and no AMX; float32
+// wherever there is AVX-512, for its fewest rows: past kPanelRowsF32 on AMD oneDNN's kernel, on
+// Intel past kPanelRowsMkl MKL's packed SGEMM, which is the faster one there from 32 rows on but
+// does not overlap the weights' stream with its products either (Intel Xeon, 480 MiB L3, 2
+// threads, ms for SmolLM2's 30 layers, panels against MKL: 1 row 14.2 / 15.6, 8 rows 16.2 / 23.0,
+// 12 rows 19.7 / 26.5, 16 rows 23.4 / 27.0, 24 rows 27.1 / 31.3, 28 rows 34.9 / 33.1, 32 rows
+// 33.3 / 32.6, 64 rows 55 / 46; small's 12: 8 rows 11.1 / 16.3, 12 rows 13.5 / 18.8, 24 rows
+// 21.0 / 22.7, 28 rows 26.0 / 23.8). Past 24 rows a third pass of 12 rows costs more than MKL.
 #if defined(__AVX512F__)
 // Rows up to this many take gemm_panels (2 threads, ms for SmolLM2's 30 layers' linears, panels
 // against oneDNN; bf16: 1 row 7.7 / 11.8, 16 rows 10.3 / 14.7, 32 rows 18.3 / 23.0, 64 rows 34.3 /
@@ -270,15 +278,15 @@ void gemm_tiles(const Packed& p, const at::Tensor& x, at::Tensor& y) {
 // 25.2 / 25.1, 128 rows 49.1 / 47.3); float32: 1 row 14.0 / 18.8, 16 rows 21.2 / 24.8, 32 rows
 // 35.9 / 40.1, 64 rows 69.3 / 70.1, 128 rows 133 / 130 (small's: 16 rows 15.0 / 15.7, 32 rows
 // 25.8 / 25.9, 64 rows 50.4 / 46.9)).
-constexpr int64_t kPanelRows = 64, kPanelRowsF32 = 32;
+constexpr int64_t kPanelRows = 64, kPanelRowsF32 = 32, kPanelRowsMkl = 24;
 constexpr int kRowsPass = 12;  // rows a pass: 2 x 12 accumulators + 2 weight vectors + 1 broadcast
 
-bool f32_panels() {  // float32 weights go to the panels here (else to MKL)
-  static const bool amd = [] {
+bool amd() {
+  static const bool is = [] {
     __builtin_cpu_init();
     return bool(__builtin_cpu_is("amd"));
   }();
-  return amd;
+  return is;
 }
 
 // w [N, K] -> [N / 32][K / E][32][E]: E = 2 keys a lane (bf16) or 1 (float32)
@@ -384,19 +392,30 @@ bool panels_usable(at::ScalarType dtype) {
   if (dtype == at::kBFloat16) return true;
 #endif
 #if defined(__AVX512F__)
-  if (dtype == at::kFloat) return f32_panels();
+  if (dtype == at::kFloat) return true;
 #endif
   return false;
 }
 
 using Kernel = Packed::Kernel;
 
+bool f32_mkl() { return mkl().ok() && !amd(); }  // Intel's float32 rows past the panels' go to MKL
+
 // The kernel a weight of this dtype is packed for here: bf16 on AMX tiles, else on panels;
-// float32 on panels on AMD, else MKL's. A shape a kernel cannot take goes to oneDNN alone.
+// float32 on panels (AVX-512), else MKL's. A shape the panels cannot take goes to the kernel of
+// the rows past theirs: MKL's on Intel, oneDNN's on AMD.
 Kernel kernel_for(at::ScalarType dtype, int64_t n, int64_t k) {
   if (dtype == at::kBFloat16 && tiles_usable()) return tiles_fit(n, k) ? Kernel::tiles : Kernel::onednn;
-  if (panels_usable(dtype)) return n % 32 == 0 && k % 2 == 0 ? Kernel::panels : Kernel::onednn;
+  if (panels_usable(dtype)) {
+    if (n % 32 == 0 && k % 2 == 0) return Kernel::panels;
+    return dtype == at::kFloat && f32_mkl() ? Kernel::mkl : Kernel::onednn;
+  }
   return dtype == at::kFloat && mkl().ok() ? Kernel::mkl : Kernel::onednn;
+}
+
+// The kernel of the rows past `kernel`'s
+Kernel past_for(Kernel kernel, at::ScalarType dtype) {
+  return kernel == Kernel::panels && dtype == at::kFloat && f32_mkl() ? Kernel::mkl : Kernel::onednn;
 }
 
 // The most rows a step sends to the packed kernel (more go to oneDNN's copy)
@@ -405,7 +424,7 @@ int64_t kernel_rows(Kernel kernel, at::ScalarType dtype) {
     case Kernel::mkl: return std::numeric_limits<int64_t>::max();
     case Kernel::tiles: return kTileRows;
 #if defined(__AVX512F__)
-    case Kernel::panels: return dtype == at::kFloat ? kPanelRowsF32 : kPanelRows;
+    case Kernel::panels: return dtype == at::kBFloat16 ? kPanelRows : f32_mkl() ? kPanelRowsMkl : kPanelRowsF32;
 #endif
     default: return -1;
   }
@@ -421,12 +440,13 @@ bool gemm_supported(at::ScalarType dtype) {
 // Which kernel serves linears in dtype here (the engine's log line)
 std::string gemm_kernel(at::ScalarType dtype) {
   if (!gemm_supported(dtype)) return "none";
-  switch (kernel_for(dtype, 32, 32)) {
+  const Kernel kernel = kernel_for(dtype, 32, 32), past = past_for(kernel, dtype);
+  const std::string past_rows = std::string(past == Kernel::mkl ? " (MKL's packed SGEMM past " : " (oneDNN past ") +
+                                std::to_string(kernel_rows(kernel, dtype)) + " rows)";
+  switch (kernel) {
     case Kernel::mkl: return "MKL's packed SGEMM";
-    case Kernel::tiles: return "AMX tiles (oneDNN past " + std::to_string(kernel_rows(Kernel::tiles, dtype)) + " rows)";
-    case Kernel::panels:
-      return std::string(dtype == at::kBFloat16 ? "AVX512-BF16" : "AVX-512") + " vectors (oneDNN past " +
-             std::to_string(kernel_rows(Kernel::panels, dtype)) + " rows)";
+    case Kernel::tiles: return "AMX tiles" + past_rows;
+    case Kernel::panels: return std::string(dtype == at::kBFloat16 ? "AVX512-BF16" : "AVX-512") + " vectors" + past_rows;
     default: return "oneDNN";
   }
 }
@@ -436,8 +456,11 @@ int64_t gemm_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "gemm_pack: a 2-D CPU weight");
   TORCH_CHECK(gemm_supported(w.scalar_type()), "gemm_pack: no packed kernel for ", w.scalar_type(), " here");
   auto wc = w.contiguous();
-  Packed p{wc.size(0), wc.size(1), wc.scalar_type(), {}, {}, kernel_for(wc.scalar_type(), wc.size(0), wc.size(1))};
-  if (p.kernel != Kernel::mkl) p.onednn = pack_onednn(wc);
+  Packed p{};
+  p.n = wc.size(0), p.k = wc.size(1), p.dtype = wc.scalar_type();
+  p.kernel = kernel_for(p.dtype, p.n, p.k);
+  p.past = past_for(p.kernel, p.dtype);
+  if (p.kernel != Kernel::mkl) p.past_buffer = p.past == Kernel::mkl ? pack_mkl(wc) : pack_onednn(wc);
   switch (p.kernel) {
     case Kernel::mkl: p.buffer = pack_mkl(wc); break;
 #if defined(TOKENQ_AMX)
@@ -465,11 +488,12 @@ at::Tensor gemm_packed(const at::Tensor& x, int64_t handle) {
               "] ", p.dtype);
   auto xc = x.contiguous();
   const int64_t m = xc.size(0);
-  if (m > kernel_rows(p.kernel, p.dtype)) return gemm_onednn(p, xc);
+  const bool past = m > kernel_rows(p.kernel, p.dtype);
+  if (past && p.past == Kernel::onednn) return gemm_onednn(p.past_buffer, xc);
   auto y = at::empty({m, p.n}, xc.options());
   if (m == 0) return y;
-  switch (p.kernel) {
-    case Kernel::mkl: gemm_mkl(p, xc, y); break;
+  switch (past ? p.past : p.kernel) {
+    case Kernel::mkl: gemm_mkl(p, past ? p.past_buffer : p.buffer, xc, y); break;
 #if defined(TOKENQ_AMX)
     case Kernel::tiles: gemm_tiles(p, xc, y); break;
 #endif

@@ -401,24 +401,21 @@ using Kernel = Packed::Kernel;
 
 bool f32_mkl() { return mkl().ok() && !amd(); }  // Intel's float32 rows past the panels' go to MKL
 
-// The kernel a weight of this dtype is packed for here: bf16 on AMX tiles, else on panels;
-// float32 on panels (AVX-512), else MKL's. A shape the panels cannot take goes to the kernel of
-// the rows past theirs: MKL's on Intel, oneDNN's on AMD.
-Kernel kernel_for(at::ScalarType dtype, int64_t n, int64_t k) {
-  if (dtype == at::kBFloat16 && tiles_usable()) return tiles_fit(n, k) ? Kernel::tiles : Kernel::onednn;
-  if (panels_usable(dtype)) {
-    if (n % 32 == 0 && k % 2 == 0) return Kernel::panels;
-    return dtype == at::kFloat && f32_mkl() ? Kernel::mkl : Kernel::onednn;
-  }
-  return dtype == at::kFloat && mkl().ok() ? Kernel::mkl : Kernel::onednn;
-}
-
 // The kernel of the rows past `kernel`'s
 Kernel past_for(Kernel kernel, at::ScalarType dtype) {
   return kernel == Kernel::panels && dtype == at::kFloat && f32_mkl() ? Kernel::mkl : Kernel::onednn;
 }
 
-// The most rows a step sends to the packed kernel (more go to oneDNN's copy)
+// The kernel a weight of this dtype is packed for here: bf16 on AMX tiles, else on panels;
+// float32 on panels (AVX-512), else MKL's. A shape the panels cannot take goes to the kernel of
+// the rows past theirs: MKL's on Intel, oneDNN's on AMD.
+Kernel kernel_for(at::ScalarType dtype, int64_t n, int64_t k) {
+  if (dtype == at::kBFloat16 && tiles_usable()) return tiles_fit(n, k) ? Kernel::tiles : Kernel::onednn;
+  if (panels_usable(dtype)) return n % 32 == 0 && k % 2 == 0 ? Kernel::panels : past_for(Kernel::panels, dtype);
+  return dtype == at::kFloat && mkl().ok() ? Kernel::mkl : Kernel::onednn;
+}
+
+// The most rows a step sends to the packed kernel (more go to the copy of `past_for`'s kernel)
 int64_t kernel_rows(Kernel kernel, at::ScalarType dtype) {
   switch (kernel) {
     case Kernel::mkl: return std::numeric_limits<int64_t>::max();

@@ -167,7 +167,7 @@ def test_engines_on_one_model_share_the_graph(llama32):
 def test_linears_run_through_packed_weights_freed_with_the_graph(dtype):
     """On CPU the decoder's four linears a layer go through worker/csrc/packed_gemm.cpp where
     asked, by default where its kernel is the faster one (float32: AVX-512, then MKL on Intel
-    CPUs or oneDNN on AMD ones; bf16: AMX tiles or AVX512-BF16); the packed copies are released with the decoder that made them, and its products
+    CPUs or oneDNN on AMD ones; bf16: AMX tiles or AVX512-BF16, else widened to float32); the packed copies are released with the decoder that made them, and its products
     are the eager model's."""
     from worker import native
 
@@ -181,9 +181,10 @@ def test_linears_run_through_packed_weights_freed_with_the_graph(dtype):
     layer = fwd.decoder.layers[0]
     handles = [h for L in fwd.decoder.layers for h in L.handles()]
     assert fwd.packed and len(handles) == 4 * len(fwd.decoder.layers) and layer.qkv_w is None
-    kernels = {torch.bfloat16: ("AMX tiles (oneDNN past 128 rows)", "AVX512-BF16 vectors (oneDNN past 64 rows)"),
-               torch.float32: (native.MKL, "AVX-512 vectors (oneDNN past 32 rows)",
-                               "AVX-512 vectors (MKL's packed SGEMM past 24 rows)")}[dtype]
+    f32 = (native.MKL, "AVX-512 vectors (oneDNN past 32 rows)", "AVX-512 vectors (MKL's packed SGEMM past 24 rows)")
+    kernels = {torch.bfloat16: ("AMX tiles (oneDNN past 128 rows)", "AVX512-BF16 vectors (oneDNN past 64 rows)",
+                                *(f"{native.WIDENED}: {k}" for k in f32)),
+               torch.float32: f32}[dtype]
     assert fwd.linears() in kernels
     assert fwd.onednn == ("oneDNN" in fwd.linears())  # rows past the kernel's go to oneDNN: padded
     at = model.model.layers[0].self_attn

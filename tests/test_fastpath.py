@@ -193,8 +193,28 @@ def test_bfloat16_fast_path_agrees_with_eager(pick, monkeypatch):
 
 def test_auto_dtype_on_cpu_is_bf16_only_where_native():
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert fastpath.cpu_has_native_bf16() == native
     assert resolve_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+
+
+def test_bf16_weights_are_multiplied_natively_or_widened():
+    """Where the CPU has no bf16 products oneDNN emulates them (a fifth of float32's rate on an
+    Ice Lake): the fast path's bf16 linears are packed as float32 there, as bf16 elsewhere."""
+    from worker import native
+
+    cpu = torch.device("cpu")
+    if not fastpath.onednn_packs(torch.float32):
+        pytest.skip("oneDNN does not pack float32 here")
+    want = torch.bfloat16 if fastpath.cpu_has_native_bf16() else torch.float32
+    assert fastpath.pack_dtype(torch.bfloat16, cpu) == want
+    assert fastpath.pack_dtype(torch.float32, cpu) == torch.float32
+    if native.packed_gemm_usable(torch.float32):  # the compiled forward's kernels: widened where not native
+        assert native.packed_gemm_usable(torch.bfloat16)
+        widened = native.packed_gemm_kernel(torch.bfloat16).startswith(native.WIDENED)
+        assert widened == (want == torch.float32)
+        if widened:
+            assert native.packed_gemm_preferred(torch.bfloat16) == native.packed_gemm_preferred(torch.float32)
 
 
 # SmolLM2 in bfloat16 against transformers' generate in bfloat16: bf16 logits are spaced

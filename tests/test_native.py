@@ -272,11 +272,11 @@ def test_packed_gemm_serves_every_row_count(dtype):
     """worker/csrc/packed_gemm.cpp packs a weight once (float32: in panels for AVX-512 up to 24
     rows on Intel, 32 on AMD, and for MKL (told 64 rows) or oneDNN past them; bf16: in AMX tiles
     up to 128 rows, or without AMX in key pairs for AVX512-BF16 up to 64, and for oneDNN past
-    them); the compiled forward runs it at every
+    them; with neither, widened to float32 for the float32 kernels); the compiled forward runs it at every
     step's row count, so each must give x @ w.T as closely as F.linear does. Shapes whose sizes
     are not multiples of 32 (bf16: oneDNN's alone) are served too."""
     if not native.packed_gemm_usable(dtype):
-        pytest.skip(f"no packed {dtype} kernel here (float32: MKL; bf16: AMX or AVX512-BF16)")
+        pytest.skip(f"no packed {dtype} kernel here (float32: AVX-512 or MKL; bf16: those, widened)")
     gen = torch.Generator().manual_seed(0)
     for K, N in ((64, 96), (576, 960), (1536, 576), (100, 72)):
         w = torch.randn(N, K, generator=gen).to(dtype)

@@ -8,7 +8,9 @@ weights and compiled whole by Inductor, which fuses those ops into a few loops, 
 frozen weights for oneDNN and merges nothing the code does not merge itself (q/k/v and
 gate/up are concatenated here). bf16 linears are packed into AMX tiles instead on a CPU with
 AMX, for AVX512-BF16 dot products on one without, and float32 for AVX-512 FMAs and (Intel)
-MKL's SGEMM (worker/csrc/packed_gemm.cpp): the faster kernels there at decode row counts.
+MKL's SGEMM (worker/csrc/packed_gemm.cpp): the faster kernels there at decode row counts. On a
+CPU with no bf16 products at all, bf16 weights are widened to float32 for those float32 kernels
+(oneDNN emulates bf16 there, at a fifth of float32's rate).
 
 One graph serves every step:
 

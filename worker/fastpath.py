@@ -161,16 +161,22 @@ class MergedPart(nn.Module):
 def pack_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
     """The dtype oneDNN packs and multiplies ``dtype`` weights in here (None: it does not).
 
-    bfloat16 on a CPU without native bf16 GEMMs (AVX2): float32, which there runs about 20x
-    faster than bf16 (measured 6 vs 140 GFLOP/s on 2 AVX2 cores); the product of bf16 values
-    is the same up to summation order, and each output is rounded back to bf16."""
+    bfloat16 on a CPU without native bf16 GEMMs (no AVX512-BF16, no AMX): float32, which runs
+    faster there than oneDNN's emulated bf16 (2 AVX2 cores: 140 against 6 GFLOP/s, where oneDNN
+    refuses bf16; 2 Intel Ice Lake cores: 320 against 66); the product of bf16 values is the same
+    up to summation order, and each output is rounded back to bf16."""
     if device.type != "cpu":
         return None
-    if onednn_packs(dtype):
-        return dtype
-    if dtype == torch.bfloat16 and onednn_packs(torch.float32):
+    if dtype == torch.bfloat16 and not cpu_has_native_bf16() and onednn_packs(torch.float32):
         return torch.float32
-    return None
+    return dtype if onednn_packs(dtype) else None
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bfloat16 GEMMs run natively (about 2x float32's rate); elsewhere
+    oneDNN emulates bf16, slower than float32."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(torch.cpu._is_avx512_bf16_supported() or (amx is not None and amx()))
 
 
 def why_not(model: nn.Module, device: torch.device) -> str | None:

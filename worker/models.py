@@ -10,6 +10,7 @@ import os
 import torch
 
 from worker.bundled import BUNDLED, bundled_dir, cache_dir, smollm2_dir  # noqa: F401 - (re-exported)
+from worker.fastpath import cpu_has_native_bf16
 
 log = logging.getLogger("tokenq.models")
 
@@ -118,13 +119,6 @@ def check_supported(config, model=None) -> None:
         cls = model if model is not None else model_class(config)
         fam = family(cls) if cls is not None else getattr(config, "model_type", None)
         raise UnsupportedModelError(f"model family {fam!r} is not supported by tokenq's paged attention: {why}")
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bfloat16 GEMMs run natively (about 2x float32's rate); elsewhere
-    bf16 is emulated and slower than float32."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(torch.cpu._is_avx512_bf16_supported() or (amx is not None and amx()))
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

@@ -1,7 +1,8 @@
 // Linears through weights packed once, for the compiled forward (worker/compiled.py): float32
 // through AVX-512 vector panels at a decode step's fewest rows and, past them, MKL's packed
 // SGEMM (Intel) or oneDNN's (AMD), bfloat16 at decode row counts through AMX tile products, or
-// where there is no AMX through AVX512-BF16 dot products (gemm_panels, below).
+// where there is no AMX through AVX512-BF16 dot products (gemm_panels, below), and where there is
+// neither, widened to float32 for the float32 kernels (widens, below).
 //
 // float32. Inductor packs a frozen float32 linear for oneDNN when the token dimension is
 // dynamic (it uses MKL's packed SGEMM only for a fixed row count). At the row counts of decode
@@ -79,7 +80,8 @@ const Mkl& mkl() {
 struct Packed {
   enum class Kernel { onednn, mkl, tiles, panels };
   int64_t n, k;
-  at::ScalarType dtype;
+  at::ScalarType dtype;            // what the kernels multiply: float32 for a widened bf16 weight
+  at::ScalarType io;               // what x and y are (dtype, or bf16 widened: see widens)
   Kernel kernel = Kernel::onednn;  // rows up to kernel_rows(kernel, dtype)
   at::Tensor buffer;               // the weight as `kernel` reads it (MKL's packed B, AMX tiles, panels)
   Kernel past = Kernel::onednn;    // rows past them (all when kernel is oneDNN's; none for MKL's)
@@ -431,12 +433,22 @@ int64_t kernel_rows(Kernel kernel, at::ScalarType dtype) {
 
 bool gemm_supported(at::ScalarType dtype) {
   if (dtype == at::kFloat) return panels_usable(dtype) || mkl().ok();
-  return dtype == at::kBFloat16 && (tiles_usable() || panels_usable(dtype));
+  return dtype == at::kBFloat16 && (tiles_usable() || panels_usable(dtype) || gemm_supported(at::kFloat));
 }
 
+// bf16 on a CPU with no bf16 products (neither AMX nor AVX512-BF16: an Intel Ice Lake, an AVX2
+// CPU): the weight is widened to float32 once, at packing, and multiplied by the float32
+// kernels; x is widened and y rounded back to bf16 each call. oneDNN emulates bf16 there, at a
+// fifth of float32's rate (2 Ice Lake cores, its packed 1024x2048x2048: 66 GFLOP/s against
+// 320). Widening is exact, so the result is the float32 sum of the same products, rounded once,
+// as oneDNN's is: the two differ only in the order of the sums.
+bool widens(at::ScalarType dtype) { return dtype == at::kBFloat16 && !tiles_usable() && !panels_usable(dtype); }
+
 // Which kernel serves linears in dtype here (the engine's log line)
-std::string gemm_kernel(at::ScalarType dtype) {
-  if (!gemm_supported(dtype)) return "none";
+std::string gemm_kernel(at::ScalarType io) {
+  if (!gemm_supported(io)) return "none";
+  if (widens(io)) return "bf16 widened to float32: " + gemm_kernel(at::kFloat);
+  const at::ScalarType dtype = io;
   const Kernel kernel = kernel_for(dtype, 32, 32), past = past_for(kernel, dtype);
   const std::string past_rows = std::string(past == Kernel::mkl ? " (MKL's packed SGEMM past " : " (oneDNN past ") +
                                 std::to_string(kernel_rows(kernel, dtype)) + " rows)";
@@ -452,9 +464,9 @@ std::string gemm_kernel(at::ScalarType dtype) {
 int64_t gemm_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "gemm_pack: a 2-D CPU weight");
   TORCH_CHECK(gemm_supported(w.scalar_type()), "gemm_pack: no packed kernel for ", w.scalar_type(), " here");
-  auto wc = w.contiguous();
+  auto wc = widens(w.scalar_type()) ? w.to(at::kFloat).contiguous() : w.contiguous();
   Packed p{};
-  p.n = wc.size(0), p.k = wc.size(1), p.dtype = wc.scalar_type();
+  p.n = wc.size(0), p.k = wc.size(1), p.dtype = wc.scalar_type(), p.io = w.scalar_type();
   p.kernel = kernel_for(p.dtype, p.n, p.k);
   p.past = past_for(p.kernel, p.dtype);
   if (p.kernel != Kernel::mkl) p.past_buffer = p.past == Kernel::mkl ? pack_mkl(wc) : pack_onednn(wc);
@@ -481,14 +493,14 @@ void gemm_release(int64_t handle) {
 // x [M, K] -> x @ w.T [M, N]
 at::Tensor gemm_packed(const at::Tensor& x, int64_t handle) {
   const Packed p = lookup(handle);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k && x.scalar_type() == p.dtype, "gemm_packed: x must be [M, ", p.k,
-              "] ", p.dtype);
-  auto xc = x.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k && x.scalar_type() == p.io, "gemm_packed: x must be [M, ", p.k, "] ",
+              p.io);
+  const auto xc = x.to(p.dtype).contiguous();  // widened (bf16 -> float32), else x itself
   const int64_t m = xc.size(0);
   const bool past = m > kernel_rows(p.kernel, p.dtype);
-  if (past && p.past == Kernel::onednn) return gemm_onednn(p.past_buffer, xc);
+  if (past && p.past == Kernel::onednn) return gemm_onednn(p.past_buffer, xc).to(p.io);
   auto y = at::empty({m, p.n}, xc.options());
-  if (m == 0) return y;
+  if (m == 0) return y.to(p.io);
   switch (past ? p.past : p.kernel) {
     case Kernel::mkl: gemm_mkl(p, past ? p.past_buffer : p.buffer, xc, y); break;
 #if defined(TOKENQ_AMX)
@@ -499,7 +511,7 @@ at::Tensor gemm_packed(const at::Tensor& x, int64_t handle) {
 #endif
     default: break;
   }
-  return y;
+  return y.to(p.io);  // rounded to bf16 (nearest even) where widened
 }
 
 at::Tensor gemm_packed_meta(const at::Tensor& x, int64_t handle) {

@@ -445,10 +445,9 @@ bool gemm_supported(at::ScalarType dtype) {
 bool widens(at::ScalarType dtype) { return dtype == at::kBFloat16 && !tiles_usable() && !panels_usable(dtype); }
 
 // Which kernel serves linears in dtype here (the engine's log line)
-std::string gemm_kernel(at::ScalarType io) {
-  if (!gemm_supported(io)) return "none";
-  if (widens(io)) return "bf16 widened to float32: " + gemm_kernel(at::kFloat);
-  const at::ScalarType dtype = io;
+std::string gemm_kernel(at::ScalarType dtype) {
+  if (!gemm_supported(dtype)) return "none";
+  if (widens(dtype)) return "bf16 widened to float32: " + gemm_kernel(at::kFloat);  // native.WIDENED
   const Kernel kernel = kernel_for(dtype, 32, 32), past = past_for(kernel, dtype);
   const std::string past_rows = std::string(past == Kernel::mkl ? " (MKL's packed SGEMM past " : " (oneDNN past ") +
                                 std::to_string(kernel_rows(kernel, dtype)) + " rows)";

@@ -329,8 +329,8 @@ def packed_gemm_preferred(dtype: torch.dtype) -> bool:
     AVX-512 (decode steps' linears overlap reading their weights with their products there,
     oneDNN's and MKL's did not: worker/csrc/packed_gemm.cpp), and float32 where MKL serves and the
     CPU is Intel's; bf16 on AMX tiles or AVX512-BF16 dot products wherever those are, and where
-    neither is (oneDNN would emulate bf16), widened wherever float32 takes them. At decode row counts (SmolLM2's shapes, 2
-    threads) MKL beat oneDNN's packed linears on an Intel Xeon (AVX-512: decode steps 6-15%
+    neither is (oneDNN would emulate bf16), widened wherever float32 takes them. At decode row
+    counts (SmolLM2's shapes, 2 threads) MKL beat oneDNN's packed linears on an Intel Xeon (AVX-512: decode steps 6-15%
     faster) and lost on an AMD EPYC (AVX2: decode steps at 64 / 16 / 1 sequences 220 / 114 / 63
     ms against oneDNN's 193 / 76 / 39; MKL's kernels there ran no faster than its unpacked SGEMM)."""
     if dtype == torch.bfloat16:

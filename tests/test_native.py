@@ -99,12 +99,14 @@ def test_kernel_reads_only_each_sequences_own_slots():
 
 def _prefill_case(dtype, D, kvh, g, seed, ps=16, pages=400):
     """Chunks as a step holds them: fresh prompts (start 0), chunks continuing a cached prefix,
-    one-token chunks, lengths that are no multiple of anything; scattered page tables."""
+    one-token chunks, lengths that are no multiple of anything, contexts past one block of the AMX
+    kernel's 256 keys (its softmax corrected across blocks); scattered page tables."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     kc = torch.randn(pages, kvh, ps, D, generator=gen).to(dtype)
     vc = torch.randn(pages, kvh, ps, D, generator=gen).to(dtype)
-    chunks = [(0, 1), (0, 37), (5, 1), (16, 16), (131, 70), (0, 200), (rng.randint(1, 90), rng.randint(1, 90))]
+    chunks = [(0, 1), (0, 37), (5, 1), (16, 16), (131, 70), (0, 200), (300, 41), (0, 530),
+              (rng.randint(1, 90), rng.randint(1, 90))]
     free = list(range(pages))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-(s + n) // ps))] for s, n in chunks]
@@ -338,7 +340,7 @@ def test_the_engines_prefill_rule_is_the_kernels_own(dtype):
     compiler's macros before the kernel is built); the kernel checks its own rule
     (paged_attention.cpp's prefill_supported): the two agree on every head size."""
     for D in (16, 32, 48, 64, 96, 128, 256):
-        q, kc, vc, tables, flat, offsets, starts, lens = _prefill_case(dtype, D, 2, 2, seed=D, pages=60)
+        q, kc, vc, tables, flat, offsets, starts, lens = _prefill_case(dtype, D, 2, 2, seed=D, pages=120)
         served = native.prefill_usable(torch.device("cpu"), dtype, D)
         try:
             native.paged_prefill(q, kc, vc, flat, offsets, starts, lens, D**-0.5, None, None)

@@ -1134,21 +1134,22 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // ---------------------------------------------------------------------------- prefill on AMX
 
-// bf16 prefill on a CPU with AMX: the same work items and online softmax as prefill() above,
-// with both products as AMX tile products (16 x 32 bf16 by 32 x 16 bf16 into 16 x 16 float32),
-// so the softmax is what is left to the vector unit. Each item takes its 16 positions of one
-// query head at a time; keys come 32 at a time. The products are taken transposed: scores as
-// K Q^T (a tile of 16 keys x 16 rows; the keys are the A operand, read as rows), the output as
-// O^T += V^T P^T (16 d x 16 rows a tile). So each vector of scores is one key for the 16 rows,
-// and the softmax's running max, its correction and its sum are lane-wise across the key
-// vectors: no reduction across lanes, no per-row scalar exp, the correction one vector (the
-// row-major layout before this spent most of its time in those, per row and block). The
-// probabilities are rounded to bf16 for their product with V (as torch's flash attention does
-// for bf16), their sum is not. Keys are copied once per call into rows, values into D x 32
-// blocks. SmolLM2's shapes (D 64, 9 heads on 3), 2,048 tokens in 9 chunks, some with a cached
-// prefix, 2 cores: 2.2-2.7 ms a layer against 3.1-3.5 for the row-major kernel it replaced
-// (medians of 30 calls, the two run in turn). tests/test_native.py checks it against dense
-// attention (head sizes 32-256, windows, sinks).
+// bf16 prefill on a CPU with AMX: the same work items as prefill() above (16 positions of one kv
+// head), with both products as AMX tile products and the softmax left to the vector unit. Row-
+// major, as flash attention is written: S = Q K^T (Q's 16 rows x 32 d as the A tile, read as
+// they are; keys as B tiles of d pairs x 16 keys), then O += P V (P's 16 rows x 32 keys as the A
+// tile; values as B tiles of key pairs x 16 d). Keys come KB = 256 at a time: all their scores
+// first (S in L1), then each row's max, its correction of the sums so far and the probabilities
+// rounded to bf16 (as torch's flash attention does for bf16; their sum is not), one lane-wise max
+// and sum a row and block, then their product with V into O, kept in memory between blocks. Each
+// (chunk, kv head)'s keys and values are laid out as those B tiles once per call. So nothing is
+// gathered or transposed per item (the transposed layout this replaced, scores as K Q^T and the
+// output as V^T P^T, gathered Q's columns and O's rows for every item and head, and stored and
+// reloaded O every 32 keys). SmolLM2's shapes (D 64, 9 heads on 3), 30 layers, 2 cores, the
+// Intel Xeon with AMX: 4 chunks of 512 tokens 55.7-64.5 ms against 74.6-80.4, one of 2,048
+// 199-227 against 254, 16 of 128 24-27 against 36 (medians of 30 calls; exp2_maskz16 about a
+// quarter of it). tests/test_native.py checks it against dense attention (head sizes 32-256,
+// windows, sinks, cached prefixes).
 
 // Decode on AMX (bf16): pass 1's scores as tile products. The vector path's dot products and
 // the shuffle trees that sum them took most of its time (70% of it with the pages in L2), and
@@ -1261,153 +1262,211 @@ void attend_amx(const uint16_t* qb, const at::BFloat16* kp, const at::BFloat16* 
   weigh_values<at::BFloat16, C>(vp, table, lo, hi, g, ps, page_stride, head_off, sc, 1, g, sinks, m, l, acc);
 }
 
-constexpr int AQ = 16;  // positions per work item: a tile's rows
-constexpr int AK = 32;  // keys per block: the K depth of one tile product with V
+constexpr int AQ = 16;   // positions per work item: a tile's rows
+constexpr int AK = 32;   // keys per P tile: the K depth of one tile product with V
+constexpr int KB = 256;  // keys per softmax block: its scores (16 KB) and probabilities (8 KB) stay in L1
+
+// 2^y for the lanes of k (y finite there; the others may hold anything and come back 0):
+// exp_neg16's polynomial without its clamp, log2(e) folded into the caller's product and the mask
+// into the last op (prefill_amx's softmax: 10 ops a vector where exp_neg16 and its mask took 13)
+inline __m512 exp2_maskz16(__mmask16 k, __m512 y) {
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(k, p, n);
+}
 
 template <int D>
 void prefill_amx(const at::BFloat16* q, int64_t qs0, int64_t qs1, int64_t H, const at::BFloat16* kp,
                  const at::BFloat16* vp, const int64_t* tables, const int64_t* offsets, const int64_t* starts,
                  const int64_t* lens, int64_t C, int64_t kvh, int64_t ps, int64_t page_stride, int64_t head_stride,
                  float scale, int64_t window, const float* sinks, at::BFloat16* out) {
-  constexpr int W = D / 2;  // words (bf16 pairs) a row
+  constexpr int W = D / 2;    // words (bf16 pairs) a row
+  constexpr int DC = D / 32;  // Q tiles across a row (32 d each)
+  constexpr int DT = D / 16;  // O tiles across a row (16 d each)
   const int64_t g = H / kvh;
   const PrefillPlan pl = plan_prefill(starts, lens, C, kvh, D, window, AQ, AK);
   const auto &row0 = pl.row0, &span = pl.span, &ktoff = pl.ktoff, &bound = pl.bound;
   const auto& items = pl.items;
   const int64_t parts = int64_t(bound.size()) - 1;
-  // per (chunk, kv head), span * D bf16 each, zero past the chunk's last slot: kr[key][D] (the
-  // keys as they are: A tiles of 16 keys x 32 d), vt[block of 32 keys][D][32] (A tiles of 16 d x 32 keys)
-  std::vector<uint16_t> kr(ktoff[C * kvh]), vt(ktoff[C * kvh]);
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  // Per (chunk, kv head), span * D / 2 words each, zero past the chunk's last slot, both as B
+  // tiles: kt [16 keys][DC][16 words of d][16 keys] (K^T in pairs of d), vt [32 keys][DT][16
+  // pairs of keys][16 d] (V in pairs of keys). Word offsets: ktoff / 2.
+  // (kept per calling thread between calls: a fresh allocation this size is a fresh mmap, whose
+  // page faults cost more than the copy)
+  thread_local std::vector<uint32_t> kt_buf, vt_buf;
+  const size_t words = size_t(ktoff[C * kvh] / 2);
+  if (kt_buf.size() < words) kt_buf.resize(words), vt_buf.resize(words);
+  uint32_t *const kt = kt_buf.data(), *const vt = vt_buf.data();
+  alignas(64) static constexpr int16_t PIDX[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   at::parallel_for(0, C * kvh, 1, [&](int64_t a, int64_t b) {
+    alignas(64) uint32_t rows[16 * W];  // 16 keys' rows, as words
+    alignas(64) static const uint16_t zeros[D] = {};
+    const __m512i gidx = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(W));  // key t's word w at t * W + w
+    const __m512i pidx = _mm512_load_si512(PIDX);
     for (int64_t it = a; it < b; ++it) {
       const int64_t c = it / kvh, h = it % kvh, ctx = starts[c] + lens[c], n = span[c];
       const int64_t* table = tables + offsets[c];
       auto slot = [&](const at::BFloat16* pool, int64_t k) {
-        return reinterpret_cast<const uint16_t*>(pool + table[k / ps] * page_stride + h * head_stride + (k % ps) * D);
+        return k < ctx ? reinterpret_cast<const uint16_t*>(pool + table[k / ps] * page_stride + h * head_stride + (k % ps) * D)
+                       : zeros;
       };
-      uint16_t* kd = kr.data() + ktoff[it];
-      uint16_t* vd = vt.data() + ktoff[it];
-      for (int64_t k = 0; k < n; ++k) {
-        if (k < ctx)
-          std::memcpy(kd + k * D, slot(kp, k), D * 2);
-        else
-          std::memset(kd + k * D, 0, D * 2);
+      uint32_t* kd = kt + ktoff[it] / 2;
+      uint32_t* vd = vt + ktoff[it] / 2;
+      for (int64_t k0 = 0; k0 < n; k0 += 16) {
+        for (int t = 0; t < 16; ++t) std::memcpy(rows + t * W, slot(kp, k0 + t), D * 2);
+        for (int w = 0; w < W; ++w)  // word w of the 16 keys: row w % 16 of the block's tile w / 16
+          _mm512_storeu_si512(kd + (k0 / 16 * DC + w / 16) * 256 + w % 16 * 16,
+                             _mm512_i32gather_epi32(gidx, reinterpret_cast<const int*>(rows + w), 4));
       }
-      for (int64_t k0 = 0; k0 < n; k0 += AK) {
-        uint16_t* blk = vd + k0 * D;
-        for (int t = 0; t < AK; ++t) {
-          const int64_t k = k0 + t;
-          const uint16_t* src = k < ctx ? slot(vp, k) : nullptr;
-          for (int d = 0; d < D; ++d) blk[d * AK + t] = src ? src[d] : 0;
+      for (int64_t k0 = 0; k0 < n; k0 += AK)
+        for (int t = 0; t < 16; ++t) {  // keys k0 + 2t and k0 + 2t + 1: row t of the block's DT tiles
+          const uint16_t *r0 = slot(vp, k0 + 2 * t), *r1 = slot(vp, k0 + 2 * t + 1);
+          for (int dt = 0; dt < DT; ++dt) {
+            const __m512i both = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 16 * dt))),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 16 * dt)), 1);
+            _mm512_storeu_si512(vd + (k0 / AK * DT + dt) * 256 + t * 16, _mm512_permutexvar_epi16(pidx, both));
+          }
         }
-      }
     }
   });
-  const __m512 NEGv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 vs = _mm512_set1_ps(scale), ONE = _mm512_set1_ps(1.f);
-  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const float NEG = -std::numeric_limits<float>::infinity();
+  const float LOG2E = 1.44269504088896341f;
+  const __m512 vs = _mm512_set1_ps(scale * LOG2E);
   at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
     const TileConfig cfg;
     _tile_loadconfig(&cfg);
-    alignas(64) uint32_t Qr[AQ * W], QT[W * AQ], PT[AK / 2 * AQ];
-    alignas(64) float ST[AK * AQ], OT[D * AQ];
-    const __m512i gidx = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(W));  // row i's word w at i * W + w
-    const __m512i oidx = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(AQ));  // OT's column i: d * 16 + i
-    alignas(64) static constexpr int16_t PIDX[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i pidx = _mm512_load_si512(PIDX);
+    alignas(64) uint16_t Qb[AQ * D], Pb[AQ * KB];
+    alignas(64) float Sb[AQ * KB], Ob[AQ * D];
+    float m[AQ], l[AQ], corr[AQ];
     for (int64_t ii = bound[pb]; ii < bound[pe]; ++ii) {
       const PrefillPlan::Item it = items[ii];
       const int64_t nq = it.p1 - it.p0;
       const int64_t first_row = row0[it.c] + it.p0 - starts[it.c];
-      const uint16_t* Kr = kr.data() + ktoff[it.c * kvh + it.h];
-      const uint16_t* Vt = vt.data() + ktoff[it.c * kvh + it.h];
+      const uint32_t* Kt = kt + ktoff[it.c * kvh + it.h] / 2;
+      const uint32_t* Vt = vt + ktoff[it.c * kvh + it.h] / 2;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, it.p0 - window + 1) : 0;
-      std::memset(Qr + nq * W, 0, (AQ - nq) * D * 2);  // padding rows: their lanes are computed, never written
+      const int64_t hi = (it.p1 + AK - 1) / AK * AK;  // keys [lo / AK * AK, hi) cover every row's
+      std::memset(Qb + nq * D, 0, (AQ - nq) * D * 2);  // padding rows: computed, never written
       for (int64_t j = 0; j < g; ++j) {
         const int64_t head = it.h * g + j;
-        for (int64_t i = 0; i < nq; ++i) std::memcpy(Qr + i * W, q + (first_row + i) * qs0 + head * qs1, D * 2);
-        for (int w = 0; w < W; ++w) _mm512_store_si512(QT + w * AQ, _mm512_i32gather_epi32(gidx, (const int*)(Qr + w), 4));
-        std::memset(OT, 0, sizeof(OT));
-        __m512 M = sinks ? _mm512_set1_ps(sinks[head]) : NEGv, L = _mm512_setzero_ps();
-        for (int64_t k0 = lo / AK * AK; k0 < it.p1; k0 += AK) {
-          // tile numbers are immediates: even d chunks in tiles 2-4, odd in 5-7, so a chunk's loads
-          // need not wait for the previous chunk's products to read their tiles
-          _tile_zero(0);
-          _tile_zero(1);
-          for (int dc = 0; dc < D / 32; dc += 2) {
-            _tile_loadd(2, QT + dc * 16 * AQ, 64);
-            _tile_loadd(3, Kr + k0 * D + 32 * dc, D * 2);
-            _tile_loadd(4, Kr + (k0 + 16) * D + 32 * dc, D * 2);
-            _tile_dpbf16ps(0, 3, 2);
-            _tile_dpbf16ps(1, 4, 2);
-            if (dc + 1 < D / 32) {
-              _tile_loadd(5, QT + (dc + 1) * 16 * AQ, 64);
-              _tile_loadd(6, Kr + k0 * D + 32 * (dc + 1), D * 2);
-              _tile_loadd(7, Kr + (k0 + 16) * D + 32 * (dc + 1), D * 2);
-              _tile_dpbf16ps(0, 6, 5);
-              _tile_dpbf16ps(1, 7, 5);
+        for (int64_t i = 0; i < nq; ++i) std::memcpy(Qb + i * D, q + (first_row + i) * qs0 + head * qs1, D * 2);
+        std::memset(Ob, 0, sizeof(Ob));
+        std::fill(m, m + AQ, sinks ? sinks[head] : NEG);
+        std::fill(l, l + AQ, 0.f);
+        for (int64_t k0 = lo / AK * AK; k0 < hi; k0 += KB) {
+          const int64_t k1 = std::min<int64_t>(k0 + KB, hi);
+          const int nk = int(k1 - k0);
+          // S = Q K^T, 32 keys a pass (tile numbers are immediates: even d chunks' operands in
+          // tiles 0, 2, 3, odd ones' in 1, 6, 7, so a chunk's loads need not wait for the last products)
+          for (int k = 0; k < nk; k += AK) {
+            const uint32_t* b0 = Kt + (k0 + k) / 16 * DC * 256;
+            const uint32_t* b1 = b0 + DC * 256;
+            _tile_zero(4);
+            _tile_zero(5);
+            for (int dc = 0; dc < DC; dc += 2) {
+              _tile_loadd(0, Qb + dc * 32, D * 2);
+              _tile_loadd(2, b0 + dc * 256, 64);
+              _tile_loadd(3, b1 + dc * 256, 64);
+              _tile_dpbf16ps(4, 0, 2);
+              _tile_dpbf16ps(5, 0, 3);
+              if (dc + 1 < DC) {
+                _tile_loadd(1, Qb + (dc + 1) * 32, D * 2);
+                _tile_loadd(6, b0 + (dc + 1) * 256, 64);
+                _tile_loadd(7, b1 + (dc + 1) * 256, 64);
+                _tile_dpbf16ps(4, 1, 6);
+                _tile_dpbf16ps(5, 1, 7);
+              }
             }
+            _tile_stored(4, Sb + k, KB * 4);
+            _tile_stored(5, Sb + k + 16, KB * 4);
           }
-          _tile_stored(0, ST, 64);
-          _tile_stored(1, ST + 16 * AQ, 64);
-          // ST[key][row]: each vector one key's scores for the 16 rows, so the softmax's max and
-          // sum are vertical (no reduction across lanes)
-          const bool whole = k0 + AK - 1 <= it.p0 && (window <= 0 || k0 >= it.p0 + AQ - window);
-          __m512 bm = NEGv;
-          for (int k = 0; k < AK; ++k) {
-            __m512 x = _mm512_mul_ps(_mm512_load_ps(ST + k * AQ), vs);
-            if (!whole) {  // row i attends key k0 + k when pos - window < key <= pos, pos = p0 + i
-              const int64_t r = k0 + k - it.p0;
-              __mmask16 vm = _mm512_cmpge_epi32_mask(lanes, _mm512_set1_epi32(int(std::max<int64_t>(r, -1))));
-              if (window > 0) vm &= _mm512_cmple_epi32_mask(lanes, _mm512_set1_epi32(int(std::min<int64_t>(r + window - 1, 16))));
-              x = _mm512_mask_mov_ps(NEGv, vm, x);
+          // each row's softmax over the block: its max, the correction of what came before, the
+          // probabilities rounded to bf16 (zero where the row does not attend)
+          bool rescale = false;
+          for (int i = 0; i < AQ; ++i) {
+            uint16_t* prow = Pb + i * KB;
+            const float* srow = Sb + i * KB;
+            const int64_t pos = it.p0 + i;
+            const int64_t first = std::max<int64_t>(k0, window > 0 ? pos - window + 1 : 0), last = std::min<int64_t>(k1 - 1, pos);
+            corr[i] = 1.f;
+            if (i >= nq || first > last) {
+              std::memset(prow, 0, nk * 2);
+              continue;
             }
-            _mm512_store_ps(ST + k * AQ, x);
-            bm = _mm512_max_ps(bm, x);
+            __m512 bm = _mm512_set1_ps(NEG);
+            for (int64_t v = (first - k0) / 16 * 16; v <= last - k0; v += 16)
+              bm = _mm512_mask_max_ps(bm, key_lanes(k0 + v, first, last), bm, _mm512_load_ps(srow + v));
+            const float mx = std::max(m[i], _mm512_reduce_max_ps(bm) * scale);
+            corr[i] = std::exp(m[i] - mx);  // 0 where nothing was attended before (m = -inf)
+            rescale |= corr[i] != 1.f;
+            m[i] = mx;
+            const __m512 vm = _mm512_set1_ps(mx * LOG2E);
+            __m512 sum = _mm512_setzero_ps();
+            for (int v = 0; v < nk; v += 32) {
+              const __mmask16 m0 = key_lanes(k0 + v, first, last), m1 = key_lanes(k0 + v + 16, first, last);
+              if (!(m0 | m1)) {
+                _mm512_store_si512(prow + v, _mm512_setzero_si512());
+                continue;
+              }
+              const __m512 e0 = exp2_maskz16(m0, _mm512_fmsub_ps(_mm512_load_ps(srow + v), vs, vm));
+              const __m512 e1 = exp2_maskz16(m1, _mm512_fmsub_ps(_mm512_load_ps(srow + v + 16), vs, vm));
+              sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+              _mm512_store_si512(prow + v, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            }
+            l[i] = l[i] * corr[i] + _mm512_reduce_add_ps(sum);
           }
-          const __m512 mx = _mm512_max_ps(M, bm);
-          const __m512 mxs = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx, NEGv, _CMP_NEQ_OQ), mx);  // 0: nothing attended yet
-          const __m512 corr = exp_neg16(_mm512_sub_ps(M, mxs));
-          __m512 sum = _mm512_setzero_ps();
-          // pairs of keys past every row's position (the diagonal block's end) are zeros
-          const int pairs = int(std::min<int64_t>(AK, it.p0 + AQ - k0) + 1) / 2;
-          for (int kp = pairs; kp < AK / 2; ++kp) _mm512_store_si512(PT + kp * AQ, _mm512_setzero_si512());
-          for (int kp = 0; kp < pairs; ++kp) {
-            const __m512 x0 = _mm512_load_ps(ST + 2 * kp * AQ), x1 = _mm512_load_ps(ST + (2 * kp + 1) * AQ);
-            const __m512 e0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, NEGv, _CMP_NEQ_OQ), exp_neg16(_mm512_sub_ps(x0, mxs)));
-            const __m512 e1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x1, NEGv, _CMP_NEQ_OQ), exp_neg16(_mm512_sub_ps(x1, mxs)));
-            sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-            // the B tile's row kp: word i = (P[i][2 kp], P[i][2 kp + 1]) in bf16
-            _mm512_store_si512(PT + kp * AQ, _mm512_permutexvar_epi16(pidx, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
-          }
-          L = _mm512_fmadd_ps(L, corr, sum);
-          M = mx;
-          if (_mm512_cmp_ps_mask(corr, ONE, _CMP_NEQ_OQ))
-            for (int d = 0; d < D; ++d) _mm512_store_ps(OT + d * AQ, _mm512_mul_ps(_mm512_load_ps(OT + d * AQ), corr));
-          // O += V^T P^T, 16 d a tile product; two d groups at a time in tiles of their own
-          _tile_loadd(5, PT, 64);
-          const uint16_t* vb = Vt + k0 * D;
-          for (int dg = 0; dg < D / 16; dg += 2) {
-            _tile_loadd(0, OT + dg * 16 * AQ, 64);
-            _tile_loadd(2, vb + dg * 16 * AK, AK * 2);
-            _tile_loadd(1, OT + (dg + 1) * 16 * AQ, 64);
-            _tile_loadd(3, vb + (dg + 1) * 16 * AK, AK * 2);
-            _tile_dpbf16ps(0, 2, 5);
-            _tile_dpbf16ps(1, 3, 5);
-            _tile_stored(0, OT + dg * 16 * AQ, 64);
-            _tile_stored(1, OT + (dg + 1) * 16 * AQ, 64);
+          if (rescale)
+            for (int i = 0; i < AQ; ++i)
+              if (corr[i] != 1.f)
+                for (int d = 0; d < D; d += 16)
+                  _mm512_store_ps(Ob + i * D + d, _mm512_mul_ps(_mm512_load_ps(Ob + i * D + d), _mm512_set1_ps(corr[i])));
+          // O += P V, four O tiles (16 d each) at a time in tiles 4-7; P in tile 0, V in 1-3
+          for (int dt = 0; dt < DT; dt += 4) {
+            _tile_loadd(4, Ob + dt * 16, D * 4);
+            _tile_loadd(5, Ob + (dt + 1) * 16, D * 4);
+            if constexpr (DT >= 4) {
+              _tile_loadd(6, Ob + (dt + 2) * 16, D * 4);
+              _tile_loadd(7, Ob + (dt + 3) * 16, D * 4);
+            }
+            for (int k = 0; k < nk; k += AK) {
+              const uint32_t* vb = Vt + ((k0 + k) / AK * DT + dt) * 256;
+              _tile_loadd(0, Pb + k, KB * 2);
+              _tile_loadd(1, vb, 64);
+              _tile_loadd(2, vb + 256, 64);
+              _tile_dpbf16ps(4, 0, 1);
+              _tile_dpbf16ps(5, 0, 2);
+              if constexpr (DT >= 4) {
+                _tile_loadd(3, vb + 512, 64);
+                _tile_dpbf16ps(6, 0, 3);
+                _tile_loadd(1, vb + 768, 64);
+                _tile_dpbf16ps(7, 0, 1);
+              }
+            }
+            _tile_stored(4, Ob + dt * 16, D * 4);
+            _tile_stored(5, Ob + (dt + 1) * 16, D * 4);
+            if constexpr (DT >= 4) {
+              _tile_stored(6, Ob + (dt + 2) * 16, D * 4);
+              _tile_stored(7, Ob + (dt + 3) * 16, D * 4);
+            }
           }
         }
-        __m512 denom = L;
-        if (sinks) denom = _mm512_add_ps(denom, exp_neg16(_mm512_sub_ps(_mm512_set1_ps(sinks[head]), M)));
-        const __m512 inv = _mm512_div_ps(ONE, denom);
-        for (int d = 0; d < D; ++d) _mm512_store_ps(OT + d * AQ, _mm512_mul_ps(_mm512_load_ps(OT + d * AQ), inv));
         for (int64_t i = 0; i < nq; ++i) {
+          const float denom = l[i] + (sinks ? std::exp(sinks[head] - m[i]) : 0.f);
+          const __m512 inv = _mm512_set1_ps(1.f / denom);
           uint16_t* o = reinterpret_cast<uint16_t*>(out + ((first_row + i) * H + head) * D);
-          for (int c16 = 0; c16 < D / 16; ++c16)
-            _mm256_storeu_si256((__m256i*)(o + 16 * c16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_i32gather_ps(oidx, OT + c16 * 16 * AQ + i, 4)));
+          for (int d = 0; d < D; d += 16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(Ob + i * D + d), inv)));
         }
       }
     }

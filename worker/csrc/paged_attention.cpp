@@ -227,20 +227,23 @@ inline __m512 reduce16(const __m512* v) {
   return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
 }
 
-// exp_neg on 16 lanes (the same polynomial)
-inline __m512 exp_neg16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(y, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
+// 2^f for |f| <= 1/2 on 16 lanes (exp_neg's polynomial)
+inline __m512 pow2_frac16(__m512 f) {
   __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);  // p * 2^n, exact (n >= -126: a normal power of two)
+  return _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+}
+
+// exp_neg on 16 lanes (the same polynomial)
+inline __m512 exp_neg16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(y, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  return _mm512_scalef_ps(pow2_frac16(_mm512_sub_ps(y, n)), n);  // p * 2^n, exact (n >= -126: a normal power of two)
 }
 
 // The decode kernels fetch pages PFD ahead of the one they read, a row's lines for each row
@@ -1271,15 +1274,7 @@ constexpr int KB = 256;  // keys per softmax block: its scores (16 KB) and proba
 // into the last op (prefill_amx's softmax: 10 ops a vector where exp_neg16 and its mask took 13)
 inline __m512 exp2_maskz16(__mmask16 k, __m512 y) {
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_scalef_ps(k, p, n);
+  return _mm512_maskz_scalef_ps(k, pow2_frac16(_mm512_sub_ps(y, n)), n);
 }
 
 template <int D>

@@ -215,16 +215,18 @@ inline __m512 load16(const at::BFloat16* p) {
 // slot t's accumulator at v[PERM[t]] and lane t holds slot t's sum).
 constexpr int PERM[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
-inline __m512 reduce16(const __m512* v) {
+template <typename Op>  // op: _mm512_add_ps (reduce16) or _mm512_max_ps
+inline __m512 reduce16_by(const __m512* v, Op op) {
   __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    y[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[i], x[i + 2]), _mm512_unpackhi_ps(x[i], x[i + 2]));
+  for (int i = 0; i < 8; ++i) w[i] = op(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i) x[i] = op(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i) y[i] = op(_mm512_unpacklo_ps(x[i], x[i + 2]), _mm512_unpackhi_ps(x[i], x[i + 2]));
   const __m512d a = _mm512_castps_pd(y[0]), b = _mm512_castps_pd(y[1]);
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  return op(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+inline __m512 reduce16(const __m512* v) {
+  return reduce16_by(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
 }
 
 // 2^f for |f| <= 1/2 on 16 lanes (exp_neg's polynomial)
@@ -1335,6 +1337,7 @@ void prefill_amx(const at::BFloat16* q, int64_t qs0, int64_t qs1, int64_t H, con
     }
   });
   const float NEG = -std::numeric_limits<float>::infinity();
+  const __m512 NEGv = _mm512_set1_ps(NEG);
   const float LOG2E = 1.44269504088896341f;
   const __m512 vs = _mm512_set1_ps(scale * LOG2E);
   at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
@@ -1342,7 +1345,7 @@ void prefill_amx(const at::BFloat16* q, int64_t qs0, int64_t qs1, int64_t H, con
     _tile_loadconfig(&cfg);
     alignas(64) uint16_t Qb[AQ * D], Pb[AQ * KB];
     alignas(64) float Sb[AQ * KB], Ob[AQ * D];
-    float m[AQ], l[AQ], corr[AQ];
+    alignas(64) float m[AQ], l[AQ], corr[AQ];
     for (int64_t ii = bound[pb]; ii < bound[pe]; ++ii) {
       const PrefillPlan::Item it = items[ii];
       const int64_t nq = it.p1 - it.p0;
@@ -1355,7 +1358,6 @@ void prefill_amx(const at::BFloat16* q, int64_t qs0, int64_t qs1, int64_t H, con
       for (int64_t j = 0; j < g; ++j) {
         const int64_t head = it.h * g + j;
         for (int64_t i = 0; i < nq; ++i) std::memcpy(Qb + i * D, q + (first_row + i) * qs0 + head * qs1, D * 2);
-        std::memset(Ob, 0, sizeof(Ob));
         std::fill(m, m + AQ, sinks ? sinks[head] : NEG);
         std::fill(l, l + AQ, 0.f);
         for (int64_t k0 = lo / AK * AK; k0 < hi; k0 += KB) {
@@ -1385,53 +1387,76 @@ void prefill_amx(const at::BFloat16* q, int64_t qs0, int64_t qs1, int64_t H, con
             _tile_stored(4, Sb + k, KB * 4);
             _tile_stored(5, Sb + k + 16, KB * 4);
           }
-          // each row's softmax over the block: its max, the correction of what came before, the
-          // probabilities rounded to bf16 (zero where the row does not attend)
-          bool rescale = false;
+          // the softmax over the block, its 16 rows at once where they can be: each row's masked
+          // max as a vector, then the rows' maxima, corrections and sums one vector each (reduce16's
+          // shuffle tree instead of a horizontal reduction and a scalar exp a row: the rows are short);
+          // the probabilities rounded to bf16, zero where the row does not attend
+          __m512 red[AQ];
+          int64_t first[AQ], last[AQ];
+          for (int i = 0; i < AQ; ++i) {
+            const int64_t pos = it.p0 + i;
+            first[i] = std::max<int64_t>(k0, window > 0 ? pos - window + 1 : 0);
+            last[i] = i < nq ? std::min<int64_t>(k1 - 1, pos) : k0 - 1;  // padding rows attend nothing
+            const float* srow = Sb + i * KB;
+            __m512 bm = NEGv;
+            for (int64_t v = (first[i] - k0) / 16 * 16; v <= last[i] - k0; v += 16)
+              bm = _mm512_mask_max_ps(bm, key_lanes(k0 + v, first[i], last[i]), bm, _mm512_load_ps(srow + v));
+            red[PERM[i]] = bm;
+          }
+          const __m512 mold = _mm512_load_ps(m);
+          const __m512 mnew = _mm512_max_ps(mold, _mm512_mul_ps(reduce16_by(red, [](__m512 a, __m512 b) {
+                                                                  return _mm512_max_ps(a, b);
+                                                                }), _mm512_set1_ps(scale)));
+          // ~0 where nothing was attended before (m = -inf: exp_neg16 clamps, the NaN of -inf - -inf too)
+          const __m512 cv = exp_neg16(_mm512_sub_ps(mold, mnew));
+          _mm512_store_ps(m, mnew);
+          _mm512_store_ps(corr, cv);
           for (int i = 0; i < AQ; ++i) {
             uint16_t* prow = Pb + i * KB;
             const float* srow = Sb + i * KB;
-            const int64_t pos = it.p0 + i;
-            const int64_t first = std::max<int64_t>(k0, window > 0 ? pos - window + 1 : 0), last = std::min<int64_t>(k1 - 1, pos);
-            corr[i] = 1.f;
-            if (i >= nq || first > last) {
-              std::memset(prow, 0, nk * 2);
-              continue;
-            }
-            __m512 bm = _mm512_set1_ps(NEG);
-            for (int64_t v = (first - k0) / 16 * 16; v <= last - k0; v += 16)
-              bm = _mm512_mask_max_ps(bm, key_lanes(k0 + v, first, last), bm, _mm512_load_ps(srow + v));
-            const float mx = std::max(m[i], _mm512_reduce_max_ps(bm) * scale);
-            corr[i] = std::exp(m[i] - mx);  // 0 where nothing was attended before (m = -inf)
-            rescale |= corr[i] != 1.f;
-            m[i] = mx;
-            const __m512 vm = _mm512_set1_ps(mx * LOG2E);
             __m512 sum = _mm512_setzero_ps();
-            for (int v = 0; v < nk; v += 32) {
-              const __mmask16 m0 = key_lanes(k0 + v, first, last), m1 = key_lanes(k0 + v + 16, first, last);
-              if (!(m0 | m1)) {
-                _mm512_store_si512(prow + v, _mm512_setzero_si512());
-                continue;
+            if (first[i] > last[i]) {
+              std::memset(prow, 0, nk * 2);
+            } else {
+              const __m512 vm = _mm512_set1_ps(m[i] * LOG2E);
+              for (int v = 0; v < nk; v += 32) {
+                const __mmask16 m0 = key_lanes(k0 + v, first[i], last[i]), m1 = key_lanes(k0 + v + 16, first[i], last[i]);
+                if (!(m0 | m1)) {
+                  _mm512_store_si512(prow + v, _mm512_setzero_si512());
+                  continue;
+                }
+                const __m512 e0 = exp2_maskz16(m0, _mm512_fmsub_ps(_mm512_load_ps(srow + v), vs, vm));
+                const __m512 e1 = exp2_maskz16(m1, _mm512_fmsub_ps(_mm512_load_ps(srow + v + 16), vs, vm));
+                sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+                _mm512_store_si512(prow + v, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
               }
-              const __m512 e0 = exp2_maskz16(m0, _mm512_fmsub_ps(_mm512_load_ps(srow + v), vs, vm));
-              const __m512 e1 = exp2_maskz16(m1, _mm512_fmsub_ps(_mm512_load_ps(srow + v + 16), vs, vm));
-              sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-              _mm512_store_si512(prow + v, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
             }
-            l[i] = l[i] * corr[i] + _mm512_reduce_add_ps(sum);
+            red[PERM[i]] = sum;
           }
-          if (rescale)
-            for (int i = 0; i < AQ; ++i)
+          _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), cv, reduce16(red)));
+          if (k0 > lo / AK * AK)  // O holds earlier blocks' sums: corrected where a row's max moved
+            for (int i = 0; i < nq; ++i)
               if (corr[i] != 1.f)
                 for (int d = 0; d < D; d += 16)
                   _mm512_store_ps(Ob + i * D + d, _mm512_mul_ps(_mm512_load_ps(Ob + i * D + d), _mm512_set1_ps(corr[i])));
-          // O += P V, four O tiles (16 d each) at a time in tiles 4-7; P in tile 0, V in 1-3
+          // O += P V, four O tiles (16 d each) at a time in tiles 4-7 (zero at the first block);
+          // P in tile 0, V in 1-3
+          const bool fresh = k0 == lo / AK * AK;
           for (int dt = 0; dt < DT; dt += 4) {
-            _tile_loadd(4, Ob + dt * 16, D * 4);
-            _tile_loadd(5, Ob + (dt + 1) * 16, D * 4);
-            if constexpr (DT >= 4) {
-              _tile_loadd(6, Ob + (dt + 2) * 16, D * 4);
-              _tile_loadd(7, Ob + (dt + 3) * 16, D * 4);
+            if (fresh) {
+              _tile_zero(4);
+              _tile_zero(5);
+              if constexpr (DT >= 4) {
+                _tile_zero(6);
+                _tile_zero(7);
+              }
+            } else {
+              _tile_loadd(4, Ob + dt * 16, D * 4);
+              _tile_loadd(5, Ob + (dt + 1) * 16, D * 4);
+              if constexpr (DT >= 4) {
+                _tile_loadd(6, Ob + (dt + 2) * 16, D * 4);
+                _tile_loadd(7, Ob + (dt + 3) * 16, D * 4);
+              }
             }
             for (int k = 0; k < nk; k += AK) {
               const uint32_t* vb = Vt + ((k0 + k) / AK * DT + dt) * 256;

@@ -334,6 +334,29 @@ def test_greedy_picks_are_torchs(dtype):
     assert torch.equal(native.argmax_rows(x), x.max(dim=-1).indices)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_is_silu_times_up(dtype):
+    """silu_mul (worker/csrc/activations.cpp, the compiled graph's SiLU times up) against torch's
+    SiLU in float32, as Inductor's loop computes it (not rounded before the product): float32
+    within a few ulp (its own exp and reciprocal), bf16 within its rounding; row ends that do not
+    fill a vector, one row, saturated and infinite gates, NaN."""
+    gen = torch.Generator().manual_seed(0)
+    for rows, inter in ((1, 1), (2, 17), (3, 37), (64, 1536), (600, 48)):
+        x = (torch.randn(rows, 2 * inter, generator=gen) * 6).to(dtype)
+        x[0, 0] = 100.0
+        if inter > 5:
+            x[0, 1:6] = torch.tensor([-100.0, 0.0, float("inf"), float("-inf"), float("nan")])
+        got = native.silu_mul(x)
+        g, u = x.float().chunk(2, dim=-1)
+        want = (torch.nn.functional.silu(g) * u).to(dtype)
+        assert got.dtype == dtype and got.shape == want.shape
+        tol = {torch.float32: 1e-6, torch.bfloat16: 2**-7}[dtype]
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=1e-30, equal_nan=True)
+    # a strided view (the merged projection's output sliced) is read as its values
+    x = torch.randn(8, 96, generator=gen).to(dtype)[:, :64]
+    torch.testing.assert_close(native.silu_mul(x), native.silu_mul(x.contiguous()), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_engines_prefill_rule_is_the_kernels_own(dtype):
     """The engine decides whether prefills go to the kernel (native.prefill_usable, read off the

@@ -10,7 +10,9 @@ gate/up are concatenated here). bf16 linears are packed into AMX tiles instead o
 AMX, for AVX512-BF16 dot products on one without, and float32 for AVX-512 FMAs and (Intel)
 MKL's SGEMM (worker/csrc/packed_gemm.cpp): the faster kernels there at decode row counts. On a
 CPU with no bf16 products at all, bf16 weights are widened to float32 for those float32 kernels
-(oneDNN emulates bf16 there, at a fifth of float32's rate).
+(oneDNN emulates bf16 there, at a fifth of float32's rate). SiLU times up is a native op where
+the attention is (worker/csrc/activations.cpp: Inductor's loop spent more on its exp than on
+reading and writing the values).
 
 One graph serves every step:
 
@@ -53,6 +55,9 @@ from worker.models import max_exact_len
 from worker.probe import expected_windows
 
 COMPILED_DTYPES = (torch.float32, torch.bfloat16)
+# The activation modules that are SiLU (torch's, and transformers' ACT2FN["silu"]): their layers'
+# SiLU times up goes to tokenq_native::silu_mul where the native ops serve
+SILUS = ("SiLU", "SiLUActivation")
 MIN_ROWS = 2  # see the module docstring: sizes 0 and 1 would specialise the graph
 # Steps whose size was not run at start (warm_sizes: every decode batch size) are padded up to a
 # multiple of this many rows where the linears are oneDNN's. oneDNN builds a primitive (a JIT'd
@@ -161,6 +166,7 @@ class _Layer(nn.Module):
         self.k_norm = None if kn is None else _param(kn.weight)
         self.norm_eps = None if qn is None else qn.variance_epsilon
         self.act = mlp.act_fn
+        self.silu = type(mlp.act_fn).__name__ in SILUS
         self.qkv_h = self.o_h = self.gate_up_h = self.down_h = None
         if packed:
             self.qkv_h, self.o_h = native.gemm_pack(self.qkv_w), native.gemm_pack(self.o_w)
@@ -198,9 +204,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class Decoder(nn.Module):
     """The decoder up to the final norm: ids [T], positions [T] -> hidden states [T, hidden]."""
 
-    def __init__(self, model: nn.Module, max_len: int, attend, packed: bool = False):
+    def __init__(self, model: nn.Module, max_len: int, attend, packed: bool = False, silu_mul=None):
         super().__init__()
         self.attend = attend  # the attention op: tokenq_native::attend or tokenq::paged_attention
+        # SiLU times up for SiLU layers: tokenq_native::silu_mul beside the native attention op
+        # where it is vectorised (worker/csrc/activations.cpp: a cheaper exp and reciprocal than
+        # Inductor's loop takes), else Inductor's loop
+        self.silu_mul = silu_mul
         inner = model.model
         self.embed = _param(inner.embed_tokens.weight)
         self.layers = nn.ModuleList(_Layer(layer, packed) for layer in inner.layers)
@@ -239,8 +249,13 @@ class Decoder(nn.Module):
             h = _linear(a, L.o_w, L.o_b, L.o_h)
             residual = residual + h
             x = _rms_norm(residual, L.ln2, L.eps)
-            gate, up = _linear(x, L.gate_up_w, L.gate_up_b, L.gate_up_h).chunk(2, dim=-1)
-            h = _linear(L.act(gate) * up, L.down_w, L.down_b, L.down_h)
+            gate_up = _linear(x, L.gate_up_w, L.gate_up_b, L.gate_up_h)
+            if L.silu and self.silu_mul is not None:
+                a = self.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                a = L.act(gate) * up
+            h = _linear(a, L.down_w, L.down_b, L.down_h)
         return _rms_norm(residual + h, self.norm, self.eps)
 
 
@@ -300,7 +315,8 @@ class CompiledForward:
         # but for MKL's): each new row count costs a primitive (ROW_STEP)
         w = next(model.parameters())
         self.onednn = w.device.type == "cpu" and (not self.packed or native.packed_gemm_onednn(w.dtype))
-        self.decoder = Decoder(model, max_len, attend, self.packed).eval()
+        silu_mul = torch.ops.tokenq_native.silu_mul if native_attention and native.silu_mul_vectorised() else None
+        self.decoder = Decoder(model, max_len, attend, self.packed, silu_mul).eval()
         self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
         # Each decoder is its own graph (its weights are frozen into it; Dynamo guards on the
         # instance), but all share Decoder.forward's code object, whose cache Dynamo caps at

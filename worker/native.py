@@ -56,7 +56,7 @@ CSRC = Path(__file__).with_name("csrc")
 LINEARS, STEPS = "linears", "steps"
 LIBRARIES = {  # name: (sources, headers: part of the build's key, not compiled alone)
     LINEARS: ([CSRC / "packed_gemm.cpp"], [CSRC / "amx.h"]),
-    STEPS: ([CSRC / "paged_attention.cpp", CSRC / "greedy.cpp"], []),
+    STEPS: ([CSRC / "paged_attention.cpp", CSRC / "greedy.cpp", CSRC / "activations.cpp"], [CSRC / "amx.h", CSRC / "exp.h"]),
 }
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -65,15 +65,22 @@ _loaded: set[str] = set()  # libraries built and loaded in this process
 _error: str | None = None  # why one could not be built (then neither is tried again)
 _ops = torch.ops.tokenq_native  # the op namespace both libraries register into
 
-# The compiled graph's attention op, declared here rather than by its library so that the graph
-# can be traced before that library is built; paged_attention.cpp registers its CPU kernel.
+# The compiled graph's ops from the steps' library (attention, SiLU times up), declared here rather
+# than by it so that the graph can be traced before it is built; paged_attention.cpp and
+# activations.cpp register their CPU kernels.
 _lib = torch.library.Library("tokenq_native", "FRAGMENT")
 _lib.define("attend(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
+_lib.define("silu_mul(Tensor gate_up) -> Tensor")
 
 
 @torch.library.register_fake("tokenq_native::attend", lib=_lib)
 def _attend_fake(q, k, v, layer):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@torch.library.register_fake("tokenq_native::silu_mul", lib=_lib)
+def _silu_mul_fake(gate_up):
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
 
 def _cpuinfo(field: str) -> str | None:
@@ -277,6 +284,17 @@ def paged_prefill(q, kc, vc, tables, offsets, starts, lens, scale: float, window
     """q [T, H, D] (the step's prefill chunks) -> [T, H, D]; see worker/csrc/paged_attention.cpp."""
     return _attention().paged_prefill(q, kc, vc, tables, offsets, starts, lens, float(scale), int(window or 0),
                                  sinks if sinks is not None else _EMPTY)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for gate_up [T, 2I] (gate, then up) -> [T, I]; see worker/csrc/activations.cpp."""
+    return _attention().silu_mul(gate_up)
+
+
+def silu_mul_vectorised() -> bool:
+    """Whether silu_mul is built with AVX-512 (elsewhere it is a scalar loop, slower than the
+    vector loop Inductor writes): asked of the compiler's macros, as prefill_usable is."""
+    return "__AVX512F__" in _compiler_macros()
 
 
 def set_step(meta, scales: list[float], windows: list[int]) -> None:

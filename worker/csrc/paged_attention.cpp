@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "amx.h"
+#include "exp.h"
 
 #include <algorithm>
 #include <cmath>
@@ -227,17 +228,6 @@ inline __m512 reduce16_by(const __m512* v, Op op) {
 
 inline __m512 reduce16(const __m512* v) {
   return reduce16_by(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
-}
-
-// 2^f for |f| <= 1/2 on 16 lanes (exp_neg's polynomial)
-inline __m512 pow2_frac16(__m512 f) {
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  return _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
 }
 
 // exp_neg on 16 lanes (the same polynomial)

@@ -315,7 +315,9 @@ class CompiledForward:
         # but for MKL's): each new row count costs a primitive (ROW_STEP)
         w = next(model.parameters())
         self.onednn = w.device.type == "cpu" and (not self.packed or native.packed_gemm_onednn(w.dtype))
-        silu_mul = torch.ops.tokenq_native.silu_mul if native_attention and native.silu_mul_vectorised() else None
+        silu_mul = None
+        if native_attention and native.silu_mul_vectorised():
+            silu_mul = torch.ops.tokenq_native.silu_mul
         self.decoder = Decoder(model, max_len, attend, self.packed, silu_mul).eval()
         self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
         # Each decoder is its own graph (its weights are frozen into it; Dynamo guards on the

@@ -48,15 +48,16 @@ log = logging.getLogger("tokenq.native")
 CSRC = Path(__file__).with_name("csrc")
 # Two libraries, each built and cached on its own: the linears', which the compiled forward
 # needs before it is traced (it packs the weights the graph names by handle), and the one steps
-# run (paged attention and greedy picks: 21 s of g++ on an AMD EPYC, paged_attention.cpp 14 s of
-# it), which the compile does not wait for: the graph's attention op is declared below, the
+# run (paged attention, greedy picks, SiLU times up: 21 s of g++ on an AMD EPYC, paged_attention.cpp
+# 14 s of it), which the compile does not wait for: the graph's ops from it are declared below, the
 # graph is traced and compiled while that library builds (build_in_background), and its first
 # step waits for it (worker/compiled.py). A first start on two cores spent 13 s waiting for
 # the whole build with one core idle, then compiled on one core (the compile is one Python thread).
 LINEARS, STEPS = "linears", "steps"
 LIBRARIES = {  # name: (sources, headers: part of the build's key, not compiled alone)
     LINEARS: ([CSRC / "packed_gemm.cpp"], [CSRC / "amx.h"]),
-    STEPS: ([CSRC / "paged_attention.cpp", CSRC / "greedy.cpp", CSRC / "activations.cpp"], [CSRC / "amx.h", CSRC / "exp.h"]),
+    STEPS: ([CSRC / "paged_attention.cpp", CSRC / "greedy.cpp", CSRC / "activations.cpp"],
+            [CSRC / "amx.h", CSRC / "exp.h"]),
 }
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -1343,14 +1343,14 @@ void prefill_amx(const at::BFloat16* q, int64_t qs0, int64_t qs1, int64_t H, con
       const uint32_t* Kt = kt + ktoff[it.c * kvh + it.h] / 2;
       const uint32_t* Vt = vt + ktoff[it.c * kvh + it.h] / 2;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, it.p0 - window + 1) : 0;
-      const int64_t hi = (it.p1 + AK - 1) / AK * AK;  // keys [lo / AK * AK, hi) cover every row's
+      const int64_t kfirst = lo / AK * AK, hi = (it.p1 + AK - 1) / AK * AK;  // keys [kfirst, hi) cover every row's
       std::memset(Qb + nq * D, 0, (AQ - nq) * D * 2);  // padding rows: computed, never written
       for (int64_t j = 0; j < g; ++j) {
         const int64_t head = it.h * g + j;
         for (int64_t i = 0; i < nq; ++i) std::memcpy(Qb + i * D, q + (first_row + i) * qs0 + head * qs1, D * 2);
         std::fill(m, m + AQ, sinks ? sinks[head] : NEG);
         std::fill(l, l + AQ, 0.f);
-        for (int64_t k0 = lo / AK * AK; k0 < hi; k0 += KB) {
+        for (int64_t k0 = kfirst; k0 < hi; k0 += KB) {
           const int64_t k1 = std::min<int64_t>(k0 + KB, hi);
           const int nk = int(k1 - k0);
           // S = Q K^T, 32 keys a pass (tile numbers are immediates: even d chunks' operands in
@@ -1424,16 +1424,15 @@ void prefill_amx(const at::BFloat16* q, int64_t qs0, int64_t qs1, int64_t H, con
             red[PERM[i]] = sum;
           }
           _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), cv, reduce16(red)));
-          if (k0 > lo / AK * AK)  // O holds earlier blocks' sums: corrected where a row's max moved
+          if (k0 > kfirst)  // O holds earlier blocks' sums: corrected where a row's max moved
             for (int i = 0; i < nq; ++i)
               if (corr[i] != 1.f)
                 for (int d = 0; d < D; d += 16)
                   _mm512_store_ps(Ob + i * D + d, _mm512_mul_ps(_mm512_load_ps(Ob + i * D + d), _mm512_set1_ps(corr[i])));
           // O += P V, four O tiles (16 d each) at a time in tiles 4-7 (zero at the first block);
           // P in tile 0, V in 1-3
-          const bool fresh = k0 == lo / AK * AK;
           for (int dt = 0; dt < DT; dt += 4) {
-            if (fresh) {
+            if (k0 == kfirst) {
               _tile_zero(4);
               _tile_zero(5);
               if constexpr (DT >= 4) {

@@ -148,10 +148,10 @@ prefill = pytest.mark.skipif(not native.prefill_usable(torch.device("cpu"), torc
 @prefill
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D,kvh,g", [(64, 3, 3), (128, 2, 1), (64, 1, 8), (32, 4, 2), (256, 1, 2)])
-@pytest.mark.parametrize("extra", ["plain", "window", "sinks"])
+@pytest.mark.parametrize("extra", ["plain", "window", "wide window", "sinks"])
 def test_prefill_kernel_matches_dense_attention(dtype, D, kvh, g, extra):
     q, kc, vc, tables, flat, offsets, starts, lens = _prefill_case(dtype, D, kvh, g, seed=D + g)
-    kw = {"plain": {}, "window": {"window": 29}, "sinks": {"sinks": torch.randn(kvh * g, generator=torch.Generator().manual_seed(1))}}[extra]
+    kw = {"plain": {}, "window": {"window": 29}, "wide window": {"window": 300}, "sinks": {"sinks": torch.randn(kvh * g, generator=torch.Generator().manual_seed(1))}}[extra]
     scale = D**-0.5
     ref = _dense_prefill(q, kc, vc, tables, starts, lens, scale, **kw)
     got = native.paged_prefill(q, kc, vc, flat, offsets, starts, lens, scale, kw.get("window"), kw.get("sinks"))

@@ -1142,9 +1142,17 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, int64_t H, const T* kp, const
 // output as V^T P^T, gathered Q's columns and O's rows for every item and head, and stored and
 // reloaded O every 32 keys). SmolLM2's shapes (D 64, 9 heads on 3), 30 layers, 2 cores, the
 // Intel Xeon with AMX: 4 chunks of 512 tokens 55.7-64.5 ms against 74.6-80.4, one of 2,048
-// 199-227 against 254, 16 of 128 24-27 against 36 (medians of 30 calls; exp2_maskz16 about a
-// quarter of it). tests/test_native.py checks it against dense attention (head sizes 32-256,
-// windows, sinks, cached prefixes).
+// 199-227 against 254, 16 of 128 24-27 against 36 (medians of 30 calls).
+//
+// The tiles and the vector unit work at once: an item's (query head, key block) units run one
+// after the other, and the tile products of the next unit's scores are issued between the rows
+// of this unit's softmax, those of the last unit's P V between the rows of this one's max pass.
+// Issued in one run, each product waited on the last (the tiles' latency, and the tile loads
+// that must wait for the stores before them), and the vector unit waited on all of them: with
+// both products out of that run, 4 chunks of 512 tokens 44-49 ms against 49-59 (the same calls,
+// the kernel before this, in turn), one of 2,048 151-174 against 189-200, 16 of 128 18.5-20
+// against 19-21 (the softmax bounds those). tests/test_native.py checks it against dense
+// attention (head sizes 32-256, windows narrow and wider than a block, sinks, cached prefixes).
 
 // Decode on AMX (bf16): pass 1's scores as tile products. The vector path's dot products and
 // the shuffle trees that sum them took most of its time (70% of it with the pages in L2), and
@@ -1261,12 +1269,18 @@ constexpr int AQ = 16;   // positions per work item: a tile's rows
 constexpr int AK = 32;   // keys per P tile: the K depth of one tile product with V
 constexpr int KB = 256;  // keys per softmax block: its scores (16 KB) and probabilities (8 KB) stay in L1
 
-// 2^y for the lanes of k (y finite there; the others may hold anything and come back 0):
-// exp_neg16's polynomial without its clamp, log2(e) folded into the caller's product and the mask
-// into the last op (prefill_amx's softmax: 10 ops a vector where exp_neg16 and its mask took 13)
+// 2^y for the lanes of k (y finite there; the others may hold anything and come back 0), for the
+// probabilities of prefill_amx's softmax, which are rounded to bf16 (8 bits): y's fraction above
+// its floor (vreduceps) through a degree-4 polynomial, within 3e-6 of 2^f, scaled by 2^floor(y)
+// (vscalefps floors y itself). 6 ops a vector where exp_neg16's rounding, degree-6 polynomial and
+// scaling took 10: the softmax, not the tile products, is what bounds this kernel.
 inline __m512 exp2_maskz16(__mmask16 k, __m512 y) {
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return _mm512_maskz_scalef_ps(k, pow2_frac16(_mm512_sub_ps(y, n)), n);
+  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // y - floor(y), in [0, 1)
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.013534100726246834f), f, _mm512_set1_ps(0.0520114041864872f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2414429485797882f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69300377368927f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226043701f));
+  return _mm512_maskz_scalef_ps(k, p, y);
 }
 
 template <int D>
@@ -1333,9 +1347,10 @@ void prefill_amx(const at::BFloat16* q, int64_t qs0, int64_t qs1, int64_t H, con
   at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
     const TileConfig cfg;
     _tile_loadconfig(&cfg);
-    alignas(64) uint16_t Qb[AQ * D], Pb[AQ * KB];
-    alignas(64) float Sb[AQ * KB], Ob[AQ * D];
-    alignas(64) float m[AQ], l[AQ], corr[AQ];
+    std::vector<uint16_t> qbuf(g * AQ * D);  // the item's rows of each of the kv head's query heads
+    alignas(64) uint16_t Pb[AQ * KB];
+    alignas(64) float Sb[2][AQ * KB], Ob[AQ * D];
+    alignas(64) float m[2][AQ], l[2][AQ], corr[AQ];  // m, l: two heads' (one finishing as the next begins)
     for (int64_t ii = bound[pb]; ii < bound[pe]; ++ii) {
       const PrefillPlan::Item it = items[ii];
       const int64_t nq = it.p1 - it.p0;
@@ -1344,140 +1359,175 @@ void prefill_amx(const at::BFloat16* q, int64_t qs0, int64_t qs1, int64_t H, con
       const uint32_t* Vt = vt + ktoff[it.c * kvh + it.h] / 2;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, it.p0 - window + 1) : 0;
       const int64_t kfirst = lo / AK * AK, hi = (it.p1 + AK - 1) / AK * AK;  // keys [kfirst, hi) cover every row's
-      std::memset(Qb + nq * D, 0, (AQ - nq) * D * 2);  // padding rows: computed, never written
       for (int64_t j = 0; j < g; ++j) {
-        const int64_t head = it.h * g + j;
-        for (int64_t i = 0; i < nq; ++i) std::memcpy(Qb + i * D, q + (first_row + i) * qs0 + head * qs1, D * 2);
-        std::fill(m, m + AQ, sinks ? sinks[head] : NEG);
-        std::fill(l, l + AQ, 0.f);
-        for (int64_t k0 = kfirst; k0 < hi; k0 += KB) {
-          const int64_t k1 = std::min<int64_t>(k0 + KB, hi);
-          const int nk = int(k1 - k0);
-          // S = Q K^T, 32 keys a pass (tile numbers are immediates: even d chunks' operands in
-          // tiles 0, 2, 3, odd ones' in 1, 6, 7, so a chunk's loads need not wait for the last products)
-          for (int k = 0; k < nk; k += AK) {
-            const uint32_t* b0 = Kt + (k0 + k) / 16 * DC * 256;
-            const uint32_t* b1 = b0 + DC * 256;
+        uint16_t* Q = qbuf.data() + j * AQ * D;
+        for (int64_t i = 0; i < nq; ++i) std::memcpy(Q + i * D, q + (first_row + i) * qs0 + (it.h * g + j) * qs1, D * 2);
+        std::memset(Q + nq * D, 0, (AQ - nq) * D * 2);  // padding rows: computed, never written
+      }
+      // The work of an item as units (a query head, a block of KB keys), one after the other; the
+      // next unit's scores are computed while this unit's softmax runs (their tile products
+      // spread between its rows), so that the tiles and the vector units work at once.
+      const int64_t nb = (hi - kfirst + KB - 1) / KB, U = g * nb;
+      auto block = [&](int64_t u) { return kfirst + u % nb * KB; };
+      auto passes = [&](int64_t u) { return int((std::min<int64_t>(block(u) + KB, hi) - block(u)) / AK); };
+      // S = Q K^T for unit u's keys k .. k + 31 into Sb[u % 2] (tile numbers are immediates: even d
+      // chunks' operands in tiles 0, 2, 3, odd ones' in 1, 6, 7, so a chunk's loads need not
+      // wait for the last products)
+      auto scores = [&](int64_t u, int k) {
+        const uint16_t* Q = qbuf.data() + u / nb * AQ * D;
+        const uint32_t* b0 = Kt + (block(u) + k) / 16 * DC * 256;
+        const uint32_t* b1 = b0 + DC * 256;
+        float* S = Sb[u & 1];
+        _tile_zero(4);
+        _tile_zero(5);
+        for (int dc = 0; dc < DC; dc += 2) {
+          _tile_loadd(0, Q + dc * 32, D * 2);
+          _tile_loadd(2, b0 + dc * 256, 64);
+          _tile_loadd(3, b1 + dc * 256, 64);
+          _tile_dpbf16ps(4, 0, 2);
+          _tile_dpbf16ps(5, 0, 3);
+          if (dc + 1 < DC) {
+            _tile_loadd(1, Q + (dc + 1) * 32, D * 2);
+            _tile_loadd(6, b0 + (dc + 1) * 256, 64);
+            _tile_loadd(7, b1 + (dc + 1) * 256, 64);
+            _tile_dpbf16ps(4, 1, 6);
+            _tile_dpbf16ps(5, 1, 7);
+          }
+        }
+        _tile_stored(4, S + k, KB * 4);
+        _tile_stored(5, S + k + 16, KB * 4);
+      };
+      // O += P V for unit u (its probabilities in Pb), in steps spread over the next unit's max
+      // pass: O's four tiles (16 d each) of a group of 64 d in tiles 4-7 (zero at the head's first
+      // block, else loaded from Ob), P in tile 0, V in 1-3
+      constexpr int G = DT >= 4 ? DT / 4 : 1;
+      auto pv_steps = [&](int64_t u) { return G * passes(u); };
+      auto pv_step = [&](int64_t u, int st) {
+        const int64_t k0 = block(u);
+        const int nkk = passes(u), dt = st / nkk * 4, k = st % nkk * AK;
+        if (k == 0) {
+          if (k0 == kfirst) {
             _tile_zero(4);
             _tile_zero(5);
-            for (int dc = 0; dc < DC; dc += 2) {
-              _tile_loadd(0, Qb + dc * 32, D * 2);
-              _tile_loadd(2, b0 + dc * 256, 64);
-              _tile_loadd(3, b1 + dc * 256, 64);
-              _tile_dpbf16ps(4, 0, 2);
-              _tile_dpbf16ps(5, 0, 3);
-              if (dc + 1 < DC) {
-                _tile_loadd(1, Qb + (dc + 1) * 32, D * 2);
-                _tile_loadd(6, b0 + (dc + 1) * 256, 64);
-                _tile_loadd(7, b1 + (dc + 1) * 256, 64);
-                _tile_dpbf16ps(4, 1, 6);
-                _tile_dpbf16ps(5, 1, 7);
-              }
-            }
-            _tile_stored(4, Sb + k, KB * 4);
-            _tile_stored(5, Sb + k + 16, KB * 4);
-          }
-          // the softmax over the block, its 16 rows at once where they can be: each row's masked
-          // max as a vector, then the rows' maxima, corrections and sums one vector each (reduce16's
-          // shuffle tree instead of a horizontal reduction and a scalar exp a row: the rows are short);
-          // the probabilities rounded to bf16, zero where the row does not attend
-          __m512 red[AQ];
-          int64_t first[AQ], last[AQ];
-          for (int i = 0; i < AQ; ++i) {
-            const int64_t pos = it.p0 + i;
-            first[i] = std::max<int64_t>(k0, window > 0 ? pos - window + 1 : 0);
-            last[i] = i < nq ? std::min<int64_t>(k1 - 1, pos) : k0 - 1;  // padding rows attend nothing
-            const float* srow = Sb + i * KB;
-            __m512 bm = NEGv;
-            for (int64_t v = (first[i] - k0) / 16 * 16; v <= last[i] - k0; v += 16)
-              bm = _mm512_mask_max_ps(bm, key_lanes(k0 + v, first[i], last[i]), bm, _mm512_load_ps(srow + v));
-            red[PERM[i]] = bm;
-          }
-          const __m512 mold = _mm512_load_ps(m);
-          const __m512 mnew = _mm512_max_ps(mold, _mm512_mul_ps(reduce16_by(red, [](__m512 a, __m512 b) {
-                                                                  return _mm512_max_ps(a, b);
-                                                                }), _mm512_set1_ps(scale)));
-          // ~0 where nothing was attended before (m = -inf: exp_neg16 clamps, the NaN of -inf - -inf too)
-          const __m512 cv = exp_neg16(_mm512_sub_ps(mold, mnew));
-          _mm512_store_ps(m, mnew);
-          _mm512_store_ps(corr, cv);
-          for (int i = 0; i < AQ; ++i) {
-            uint16_t* prow = Pb + i * KB;
-            const float* srow = Sb + i * KB;
-            __m512 sum = _mm512_setzero_ps();
-            if (first[i] > last[i]) {
-              std::memset(prow, 0, nk * 2);
-            } else {
-              const __m512 vm = _mm512_set1_ps(m[i] * LOG2E);
-              for (int v = 0; v < nk; v += 32) {
-                const __mmask16 m0 = key_lanes(k0 + v, first[i], last[i]), m1 = key_lanes(k0 + v + 16, first[i], last[i]);
-                if (!(m0 | m1)) {
-                  _mm512_store_si512(prow + v, _mm512_setzero_si512());
-                  continue;
-                }
-                const __m512 e0 = exp2_maskz16(m0, _mm512_fmsub_ps(_mm512_load_ps(srow + v), vs, vm));
-                const __m512 e1 = exp2_maskz16(m1, _mm512_fmsub_ps(_mm512_load_ps(srow + v + 16), vs, vm));
-                sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-                _mm512_store_si512(prow + v, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-              }
-            }
-            red[PERM[i]] = sum;
-          }
-          _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), cv, reduce16(red)));
-          if (k0 > kfirst)  // O holds earlier blocks' sums: corrected where a row's max moved
-            for (int i = 0; i < nq; ++i)
-              if (corr[i] != 1.f)
-                for (int d = 0; d < D; d += 16)
-                  _mm512_store_ps(Ob + i * D + d, _mm512_mul_ps(_mm512_load_ps(Ob + i * D + d), _mm512_set1_ps(corr[i])));
-          // O += P V, four O tiles (16 d each) at a time in tiles 4-7 (zero at the first block);
-          // P in tile 0, V in 1-3
-          for (int dt = 0; dt < DT; dt += 4) {
-            if (k0 == kfirst) {
-              _tile_zero(4);
-              _tile_zero(5);
-              if constexpr (DT >= 4) {
-                _tile_zero(6);
-                _tile_zero(7);
-              }
-            } else {
-              _tile_loadd(4, Ob + dt * 16, D * 4);
-              _tile_loadd(5, Ob + (dt + 1) * 16, D * 4);
-              if constexpr (DT >= 4) {
-                _tile_loadd(6, Ob + (dt + 2) * 16, D * 4);
-                _tile_loadd(7, Ob + (dt + 3) * 16, D * 4);
-              }
-            }
-            for (int k = 0; k < nk; k += AK) {
-              const uint32_t* vb = Vt + ((k0 + k) / AK * DT + dt) * 256;
-              _tile_loadd(0, Pb + k, KB * 2);
-              _tile_loadd(1, vb, 64);
-              _tile_loadd(2, vb + 256, 64);
-              _tile_dpbf16ps(4, 0, 1);
-              _tile_dpbf16ps(5, 0, 2);
-              if constexpr (DT >= 4) {
-                _tile_loadd(3, vb + 512, 64);
-                _tile_dpbf16ps(6, 0, 3);
-                _tile_loadd(1, vb + 768, 64);
-                _tile_dpbf16ps(7, 0, 1);
-              }
-            }
-            _tile_stored(4, Ob + dt * 16, D * 4);
-            _tile_stored(5, Ob + (dt + 1) * 16, D * 4);
             if constexpr (DT >= 4) {
-              _tile_stored(6, Ob + (dt + 2) * 16, D * 4);
-              _tile_stored(7, Ob + (dt + 3) * 16, D * 4);
+              _tile_zero(6);
+              _tile_zero(7);
+            }
+          } else {
+            _tile_loadd(4, Ob + dt * 16, D * 4);
+            _tile_loadd(5, Ob + (dt + 1) * 16, D * 4);
+            if constexpr (DT >= 4) {
+              _tile_loadd(6, Ob + (dt + 2) * 16, D * 4);
+              _tile_loadd(7, Ob + (dt + 3) * 16, D * 4);
             }
           }
         }
+        const uint32_t* vb = Vt + ((k0 + k) / AK * DT + dt) * 256;
+        _tile_loadd(0, Pb + k, KB * 2);
+        _tile_loadd(1, vb, 64);
+        _tile_loadd(2, vb + 256, 64);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_dpbf16ps(5, 0, 2);
+        if constexpr (DT >= 4) {
+          _tile_loadd(3, vb + 512, 64);
+          _tile_dpbf16ps(6, 0, 3);
+          _tile_loadd(1, vb + 768, 64);
+          _tile_dpbf16ps(7, 0, 1);
+        }
+        if (k + AK == nkk * AK) {
+          _tile_stored(4, Ob + dt * 16, D * 4);
+          _tile_stored(5, Ob + (dt + 1) * 16, D * 4);
+          if constexpr (DT >= 4) {
+            _tile_stored(6, Ob + (dt + 2) * 16, D * 4);
+            _tile_stored(7, Ob + (dt + 3) * 16, D * 4);
+          }
+        }
+      };
+      // a head's rows of O, normalised, once its last block's products are in Ob
+      auto finish = [&](int64_t u) {
+        const int64_t head = it.h * g + u / nb;
+        const float *mh = m[u / nb & 1], *lh = l[u / nb & 1];
         for (int64_t i = 0; i < nq; ++i) {
-          const float denom = l[i] + (sinks ? std::exp(sinks[head] - m[i]) : 0.f);
+          const float denom = lh[i] + (sinks ? std::exp(sinks[head] - mh[i]) : 0.f);
           const __m512 inv = _mm512_set1_ps(1.f / denom);
           uint16_t* o = reinterpret_cast<uint16_t*>(out + ((first_row + i) * H + head) * D);
           for (int d = 0; d < D; d += 16)
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(Ob + i * D + d), inv)));
         }
+      };
+      auto last_block = [&](int64_t u) { return block(u) + KB >= hi; };
+      for (int p = 0; p < passes(0); ++p) scores(0, p * AK);
+      for (int64_t u = 0; u < U; ++u) {
+        const int64_t head = it.h * g + u / nb, k0 = block(u);
+        const int64_t k1 = std::min<int64_t>(k0 + KB, hi);
+        const int nk = int(k1 - k0);
+        const int next = u + 1 < U ? passes(u + 1) : 0;  // the next unit's passes, spread over this one's rows
+        const int prev = u > 0 ? pv_steps(u - 1) : 0;   // the last unit's P V steps, over this one's max pass
+        const float* S = Sb[u & 1];
+        float *mh = m[u / nb & 1], *lh = l[u / nb & 1];
+        if (k0 == kfirst) {
+          std::fill(mh, mh + AQ, sinks ? sinks[head] : NEG);
+          std::fill(lh, lh + AQ, 0.f);
+        }
+        // the softmax over the block, its 16 rows at once where they can be: each row's masked
+        // max as a vector, then the rows' maxima, corrections and sums one vector each (reduce16's
+        // shuffle tree instead of a horizontal reduction and a scalar exp a row: the rows are short);
+        // the probabilities rounded to bf16, zero where the row does not attend
+        __m512 red[AQ];
+        int64_t first[AQ], last[AQ];
+        for (int i = 0; i < AQ; ++i) {
+          const int64_t pos = it.p0 + i;
+          first[i] = std::max<int64_t>(k0, window > 0 ? pos - window + 1 : 0);
+          last[i] = i < nq ? std::min<int64_t>(k1 - 1, pos) : k0 - 1;  // padding rows attend nothing
+          const float* srow = S + i * KB;
+          __m512 bm = NEGv;
+          for (int64_t v = (first[i] - k0) / 16 * 16; v <= last[i] - k0; v += 16)
+            bm = _mm512_mask_max_ps(bm, key_lanes(k0 + v, first[i], last[i]), bm, _mm512_load_ps(srow + v));
+          red[PERM[i]] = bm;
+          for (int st = i * prev / AQ; st < (i + 1) * prev / AQ; ++st) pv_step(u - 1, st);
+        }
+        if (u > 0 && last_block(u - 1)) finish(u - 1);
+        const __m512 mold = _mm512_load_ps(mh);
+        const __m512 mnew = _mm512_max_ps(mold, _mm512_mul_ps(reduce16_by(red, [](__m512 a, __m512 b) {
+                                                                return _mm512_max_ps(a, b);
+                                                              }), _mm512_set1_ps(scale)));
+        // ~0 where nothing was attended before (m = -inf: exp_neg16 clamps, the NaN of -inf - -inf too)
+        const __m512 cv = exp_neg16(_mm512_sub_ps(mold, mnew));
+        _mm512_store_ps(mh, mnew);
+        _mm512_store_ps(corr, cv);
+        for (int i = 0; i < AQ; ++i) {
+          uint16_t* prow = Pb + i * KB;
+          const float* srow = S + i * KB;
+          __m512 sum = _mm512_setzero_ps();
+          if (first[i] > last[i]) {
+            std::memset(prow, 0, nk * 2);
+          } else {
+            const __m512 vm = _mm512_set1_ps(mh[i] * LOG2E);
+            for (int v = 0; v < nk; v += 32) {
+              const __mmask16 m0 = key_lanes(k0 + v, first[i], last[i]), m1 = key_lanes(k0 + v + 16, first[i], last[i]);
+              if (!(m0 | m1)) {
+                _mm512_store_si512(prow + v, _mm512_setzero_si512());
+                continue;
+              }
+              const __m512 e0 = exp2_maskz16(m0, _mm512_fmsub_ps(_mm512_load_ps(srow + v), vs, vm));
+              const __m512 e1 = exp2_maskz16(m1, _mm512_fmsub_ps(_mm512_load_ps(srow + v + 16), vs, vm));
+              sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+              _mm512_store_si512(prow + v, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            }
+          }
+          red[PERM[i]] = sum;
+          if (i % 2 && i / 2 < next) scores(u + 1, i / 2 * AK);  // (a block's passes: KB / AK = AQ / 2)
+        }
+        _mm512_store_ps(lh, _mm512_fmadd_ps(_mm512_load_ps(lh), cv, reduce16(red)));
+        if (k0 > kfirst)  // O holds earlier blocks' sums: corrected where a row's max moved
+          for (int i = 0; i < nq; ++i)
+            if (corr[i] != 1.f)
+              for (int d = 0; d < D; d += 16)
+                _mm512_store_ps(Ob + i * D + d, _mm512_mul_ps(_mm512_load_ps(Ob + i * D + d), _mm512_set1_ps(corr[i])));
       }
+      for (int st = 0; st < pv_steps(U - 1); ++st) pv_step(U - 1, st);
+      finish(U - 1);
     }
     _tile_release();
   });

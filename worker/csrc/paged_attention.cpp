@@ -1273,7 +1273,7 @@ constexpr int KB = 256;  // keys per softmax block: its scores (16 KB) and proba
 // probabilities of prefill_amx's softmax, which are rounded to bf16 (8 bits): y's fraction above
 // its floor (vreduceps) through a degree-4 polynomial, within 3e-6 of 2^f, scaled by 2^floor(y)
 // (vscalefps floors y itself). 6 ops a vector where exp_neg16's rounding, degree-6 polynomial and
-// scaling took 10: the softmax, not the tile products, is what bounds this kernel.
+// scaling took 10: with the tile products under it, the softmax is what bounds this kernel.
 inline __m512 exp2_maskz16(__mmask16 k, __m512 y) {
   const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // y - floor(y), in [0, 1)
   __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.013534100726246834f), f, _mm512_set1_ps(0.0520114041864872f));
@@ -1404,8 +1404,8 @@ void prefill_amx(const at::BFloat16* q, int64_t qs0, int64_t qs1, int64_t H, con
       auto pv_steps = [&](int64_t u) { return G * passes(u); };
       auto pv_step = [&](int64_t u, int st) {
         const int64_t k0 = block(u);
-        const int nkk = passes(u), dt = st / nkk * 4, k = st % nkk * AK;
-        if (k == 0) {
+        const int nkk = passes(u), dt = st / nkk * 4, kk = st % nkk, k = kk * AK;
+        if (kk == 0) {
           if (k0 == kfirst) {
             _tile_zero(4);
             _tile_zero(5);
@@ -1434,7 +1434,7 @@ void prefill_amx(const at::BFloat16* q, int64_t qs0, int64_t qs1, int64_t H, con
           _tile_loadd(1, vb + 768, 64);
           _tile_dpbf16ps(7, 0, 1);
         }
-        if (k + AK == nkk * AK) {
+        if (kk == nkk - 1) {
           _tile_stored(4, Ob + dt * 16, D * 4);
           _tile_stored(5, Ob + (dt + 1) * 16, D * 4);
           if constexpr (DT >= 4) {

@@ -314,3 +314,24 @@ def test_where_the_native_attention_kernel_does_not_build_the_torch_path_serves(
     assert "the native attention kernel did not build: RuntimeError: a build error" in caplog.text
     monkeypatch.undo()  # (the sampler's greedy picks ask native.load too)
     assert engine.generate(prompts, params) == want
+
+
+def test_the_first_step_at_the_token_budget_finds_its_buffers_in_place(llama32):
+    """Start-up runs a step at the token budget (compiled.warm_budget), so the first such step
+    served does not page-fault its buffers in (they were 15,500 faults and 30 ms of a tiny
+    float32 model's first 2,048-token step)."""
+    import resource
+
+    engine = make_engine(llama32, page_size=8, num_pages=1024, max_num_seqs=32, max_num_batched_tokens=1024)
+    assert engine.runner.compiled is not None
+    rng = random.Random(5)
+    faults = []
+    for run in range(2):  # the same step twice: prompts filling the budget exactly
+        for i in range(8):
+            prompt = [rng.randrange(3, 500) for _ in range(128)]
+            engine.add_request(f"b{run}-{i}", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        engine.step()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        drive(engine)
+    assert faults[0] <= faults[1] + 100, faults

@@ -534,6 +534,37 @@ def warm_sizes(fwd: CompiledForward, shape: dict, device, dtype, kernels: tuple[
     return time.perf_counter() - t
 
 
+def warm_budget(fwd: CompiledForward, shape: dict, device, dtype, kernels: tuple[bool, bool], tokens: int,
+                max_len: int) -> float:
+    """Run the graph once on a step of ``tokens`` prompt tokens (the step budget), on a scratch
+    cache; returns the seconds it took. A step's buffers are largest at the budget, and the
+    first steps that size page-faulted them in while serving (tiny in float32: 15,500 faults,
+    a first 2,048-token step of 91 ms against 63-69 for the same step later); glibc keeps them
+    once freed (worker/tuning.py), so they are paid here, at start, instead (as vLLM's start-up
+    runs a step at its token budget)."""
+    from common.protocol import SamplingParams
+    from worker.cache import KVCache
+    from worker.runner import ModelRunner
+    from worker.scheduler import ScheduledSeq, SchedulerOutput
+    from worker.sequence import Sequence
+
+    t = time.perf_counter()
+    ps = shape["page_size"]
+    lens = []  # prompts of up to 512 tokens (and within the model's positions), as a step holds them
+    while sum(lens) < tokens:
+        lens.append(min(512, max_len, tokens - sum(lens)))
+    runner = ModelRunner(None, KVCache(num_pages=sum(-(-n // ps) for n in lens), dtype=dtype, device=device, **shape),
+                         *kernels, compiled=fwd)
+    seqs, page = [], 0
+    for i, n in enumerate(lens):
+        s = Sequence(f"warm-budget-{i}", [1] * n, n, SamplingParams(max_tokens=1), 1, i, 0.0, 0)
+        s.block_table = list(range(page, page + -(-n // ps)))
+        page += len(s.block_table)
+        seqs.append(s)
+    runner.execute(SchedulerOutput(scheduled=[ScheduledSeq(s, 0, len(s.token_ids), True) for s in seqs]))
+    return time.perf_counter() - t
+
+
 class _Reference:
     """warm_up's exact result for a half-precision graph: the model's own (transformers) layers,
     each copied up to float32 just for its turn (never a float32 copy of the whole model), the

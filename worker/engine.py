@@ -122,6 +122,10 @@ class Engine:
             warm = compiled.warm_sizes(fwd, shape, self.device, self.dtype, (native_decode, native_prefill),
                                        range(1, self.config.max_num_seqs + 1))
             how += f"; {self.config.max_num_seqs} batch sizes run once in {warm:.1f} s" if warm else ""
+            budget = self.config.max_num_batched_tokens
+            warm = compiled.warm_budget(fwd, shape, self.device, self.dtype, (native_decode, native_prefill), budget,
+                                        self.max_model_len)
+            how += f"; a step of {budget} prompt tokens in {warm:.1f} s"
         log.info("compiled forward: %s (%s)", "on" if fwd is not None else "off", how)
         return fwd
 

@@ -118,7 +118,8 @@ class Engine:
             fwd, how = None, "the fast path is turned off"
         else:
             fwd, how = compiled.get(self.model, self.max_model_len, self.device, fast, shape, native_decode, native_prefill)
-        if fwd is not None and self.device.type == "cpu":  # every decode batch size once, now rather than in the first steps served
+        # every decode batch size once, and a step at the token budget: now rather than in the first steps served
+        if fwd is not None and self.device.type == "cpu":
             warm = compiled.warm_sizes(fwd, shape, self.device, self.dtype, (native_decode, native_prefill),
                                        range(1, self.config.max_num_seqs + 1))
             how += f"; {self.config.max_num_seqs} batch sizes run once in {warm:.1f} s" if warm else ""

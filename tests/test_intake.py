@@ -4,6 +4,8 @@ what it accepts, how it answers a bad entry, and the flat fields beside a msgpac
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import msgpack
 import pytest
@@ -32,6 +34,27 @@ def test_accepts_within_the_budget_and_answers(svc, r, prefix):
         final = final_entry(r, keys.result(f"ok{i}"))
         assert final["type"] == "done" and final["completion_tokens"] == "3"
     assert r.xlen(keys.requests("normal")) == 0
+
+
+def test_a_burst_that_wakes_an_idle_worker_is_taken_before_its_first_step(svc, r, prefix):
+    """The wake-up reads one entry a stream (it cannot know the budget); the rest of the burst
+    is pulled under the budget at once, not after a first step that prefills the one alone."""
+    keys = Keys(prefix)
+    intake.pull(svc)  # nothing yet: the streams' first marks are taken
+
+    def burst():
+        time.sleep(0.1)  # while the worker blocks on the streams
+        pipe = r.pipeline(transaction=False)
+        for i in range(5):
+            pipe.xadd(keys.requests("normal"), {"id": f"w{i}", "input_ids": json.dumps([5, 6, 7]), "max_tokens": "2"})
+        pipe.execute()
+
+    sender = threading.Thread(target=burst)
+    sender.start()
+    intake.pull(svc)  # blocks until the burst lands
+    sender.join()
+    assert sorted(svc.inflight) == [f"w{i}" for i in range(5)]
+    assert not svc.engine.scheduler.running  # not a step yet: all five start in the first one
 
 
 def test_a_bad_entry_gets_an_error_or_a_dead_letter_and_is_acknowledged(svc, r, prefix):

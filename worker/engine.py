@@ -51,6 +51,14 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def _outside(ids, vocab_size: int):
+    """The first id of ``ids`` that is not an int in [0, vocab_size), else None. Plain ints are
+    checked at C speed (a check per id was a tenth of a ms a 512-token prompt, at intake)."""
+    if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size):
+        return None
+    return next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None):
         cfg = self.config = config or EngineConfig()
@@ -179,8 +187,8 @@ class Engine:
         gen = list(generated_ids or [])
         per_choice = gen if gen and isinstance(gen[0], list) else [gen]
         per_choice += [[]] * (params.n - len(per_choice))
-        bad = next((t for ids in [prompt_token_ids, *per_choice, params.logit_bias] for t in ids
-                    if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        bad = next((t for ids in [prompt_token_ids, *per_choice, params.logit_bias]
+                    if (t := _outside(ids, self.vocab_size)) is not None), None)
         if bad is not None:
             raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
         if (params.stop or params.structured_outputs) and self.tokenizer is None:

@@ -100,7 +100,9 @@ def token_ids(name: str, v: Any, limit: int) -> list[int]:
         raise ValueError(f"{name} must be a non-empty array of token ids")
     if len(ids) > limit:
         raise ValueError(f"{name} has {len(ids)} tokens, more than the limit of {limit}")
-    if not all(is_int(t) and 0 <= t < 2**31 for t in ids):
+    # JSON gives int, float, str, bool, None, list or dict: exactly int (not bool) is an id.
+    # Checked over the whole list at C speed (a generator per id was 0.1 ms a 512-token prompt).
+    if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= 2**31:
         raise ValueError(f"{name} must hold integers in [0, 2^31)")
     return ids
 

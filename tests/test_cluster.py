@@ -178,9 +178,17 @@ def _other_producers(url: str, prefix: str, text: str, capsys) -> None:
     assert "single Redis server" in capsys.readouterr().err
 
 
+def _final(rc, key: str) -> bool:
+    """Whether a result stream holds its final (done/error) entry."""
+    return any(f.get(b"type") in (b"done", b"error") for _, f in rc.xrange(key))
+
+
 def test_a_worker_killed_mid_generation_is_resumed_by_another(cluster, cprefix, worker_factory, reference):
     rc = connect(cluster.url)
-    specs = mixed_requests(3, seed=5, tag="kill", max_tokens=(40, 50))
+    # Long enough that the kill lands mid-generation: the first worker takes all three at once
+    # (a burst is pulled before its first step) and ran 40-50 tokens each to the end within the
+    # wait's 0.1 s poll.
+    specs = mixed_requests(3, seed=5, tag="kill", max_tokens=(160, 200))
     for s in specs:
         reference(s.input_ids, s.max_tokens)
     first = start_worker(worker_factory, cluster, cprefix, rc)
@@ -188,8 +196,9 @@ def test_a_worker_killed_mid_generation_is_resumed_by_another(cluster, cprefix, 
         submit(rc, cprefix, s)
     keys = Keys(cprefix)
     wait_until(lambda: any(rc.xlen(keys.result(s.id)) >= 3 for s in specs if rc.exists(keys.result(s.id))), 60,
-               "tokens on a result stream")
+               "tokens on a result stream", interval=0.01)
     first.kill()
+    assert not all(_final(rc, keys.result(s.id)) for s in specs), "the first worker finished before the kill"
     second = start_worker(worker_factory, cluster, cprefix, rc)
     tally = check_all(rc, cprefix, specs, reference)
     assert tally.ok and tally.done == len(specs), tally

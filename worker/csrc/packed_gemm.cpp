@@ -327,6 +327,7 @@ struct Stream {
 template <bool BF16, int R>
 void pass_panel(const uint32_t* A, int64_t S, const char* B, void* Y, int64_t N, Stream& st) {
   __m512 c0[R], c1[R];
+#pragma GCC unroll 16  // (left a loop, GCC turned it into two calls to memset of the arrays, every pass)
   for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
   for (int64_t p = 0; p < S; ++p) {
     if ((p & 3) == 0) st.advance();

@@ -94,15 +94,20 @@ def structured(name: str, v: Any) -> Any:
         raise ValueError(f"{name} is not valid JSON: {str(e)[:80]}") from None
 
 
+def ints_below(ids: Any, bound: int) -> bool:
+    """Whether ``ids`` (non-empty) holds only plain ints in [0, bound): exactly int, not bool (JSON
+    gives int, float, str, bool, None, list or dict). At C speed over the whole list: a check per
+    id was a tenth of a ms a 512-token prompt, at intake (the protocol's and the engine's)."""
+    return set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < bound
+
+
 def token_ids(name: str, v: Any, limit: int) -> list[int]:
     ids = structured(name, v)
     if not isinstance(ids, list) or not ids:
         raise ValueError(f"{name} must be a non-empty array of token ids")
     if len(ids) > limit:
         raise ValueError(f"{name} has {len(ids)} tokens, more than the limit of {limit}")
-    # JSON gives int, float, str, bool, None, list or dict: exactly int (not bool) is an id.
-    # Checked over the whole list at C speed (a generator per id was 0.1 ms a 512-token prompt).
-    if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= 2**31:
+    if not ints_below(ids, 2**31):
         raise ValueError(f"{name} must hold integers in [0, 2^31)")
     return ids
 

@@ -173,9 +173,10 @@ def take(svc: Service, reply: Any) -> None:
             if fields is None:  # deleted while pending
                 svc.r.xack(stream, svc.keys.group, entry_id)
                 continue
-            req = _parse(svc, stream, text(entry_id), fields)
+            entry_id = text(entry_id)
+            req = _parse(svc, stream, entry_id, fields)
             if req is not None:
-                parsed.append((stream, text(entry_id), req))
+                parsed.append((stream, entry_id, req))
     if not parsed:
         return
     pipe = svc.r.pipeline(transaction=False)

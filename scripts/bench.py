@@ -579,7 +579,14 @@ def sweep_vllm(args, model, workload, config: str, max_seqs: int | None, skipped
         return None
 
 
-def plot(results: list[Result], path: str) -> None:
+def plot(results: list[Result], path: str, concurrency: list[tuple] | None = None) -> None:
+    """Throughput and mean TTFT per config and system (bars, each labelled with its value), and
+    with a concurrency sweep its output tok/s per system against the requests in flight.
+
+    The bar axes are logarithmic (the configs differ tenfold), so they start a decade below the
+    smallest bar: a log axis that starts at the smallest bar draws it with no height at all."""
+    import math
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -587,23 +594,43 @@ def plot(results: list[Result], path: str) -> None:
 
     configs = list(dict.fromkeys(r.config for r in results))
     systems = list(dict.fromkeys(r.system for r in results))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    panels = 3 if concurrency else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8))
     width = 0.8 / max(1, len(systems))
-    for k, (ax, what, label) in enumerate(zip(axes, ("tok_s", "ttft"), ("output tokens/s", "mean time to first token (s)"))):
+    for k, (ax, what, label) in enumerate(zip(axes, ("tok_s", "ttft"), ("output tokens/s", "mean time to first token (ms)"))):
+        values = []
         for j, s in enumerate(systems):
             xs, ys = [], []
             for i, c in enumerate(configs):
                 r = next((r for r in results if r.config == c and r.system == s), None)
                 if r is not None:
                     xs.append(i + j * width)
-                    ys.append(r.tok_s if what == "tok_s" else _mean(r.ttft))
-            ax.bar(xs, ys, width, label=s)
+                    ys.append(r.tok_s if what == "tok_s" else _mean(r.ttft) * 1e3)
+            bars = ax.bar(xs, ys, width, label=s)
+            ax.bar_label(bars, labels=[f"{y:,.0f}" for y in ys], fontsize=7)
+            values += [y for y in ys if y > 0]
+        if values:
+            ax.set_yscale("log")
+            ax.set_ylim(10 ** math.floor(math.log10(min(values))), max(values) * 2)
         ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(configs))], configs)
         ax.set_ylabel(label)
-        ax.set_yscale("log")
         ax.set_title(["throughput (higher is better)", "TTFT (lower is better)"][k])
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
+    if concurrency:
+        ax = axes[2]
+        ns = [row[0] for row in concurrency]
+        ax.plot(ns, [row[2].tok_s for row in concurrency], "o-", label="engine")
+        peers = [(n, row[5].tok_s) for n, row in zip(ns, concurrency) if row[5] is not None]
+        if peers:
+            ax.plot(*zip(*peers), "s-", label="vllm")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"throughput vs concurrent requests ({concurrency[0][2].config})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -852,7 +879,7 @@ def main(argv=None) -> int:
 
     print(f"\n(total {time.time() - t_start:.0f} s; command: python scripts/bench.py {' '.join(sys.argv[1:] if argv is None else argv)})")
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, sweeps.get("concurrency"))
         print(f"plot: {args.plot}")
     if args.json:
         def dump(r: Result):

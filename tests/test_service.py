@@ -245,6 +245,17 @@ def test_heartbeat(r, prefix, worker_factory):
     assert not r.exists(f"{prefix}:worker:{w.name}")
 
 
+def test_a_starting_worker_beats_before_its_first_read(r, prefix, worker_factory):
+    """The first heartbeat goes out as the service starts, not after its first read of the
+    streams, which blocks for a second when nothing waits: the heartbeat is what says that a
+    worker serves (the bench's start-up time, `tokenq` status)."""
+    w = worker_factory(prefix, args=["--heartbeat-s", "5"])  # the idle read blocks min(5, 1) s
+    written = float(heartbeat(r, prefix, w.name)["last_step"])  # the beat's own time.time()
+    line = next(line for line in w.log.splitlines() if "event=start" in line)
+    started = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
+    assert written - started < 0.5, (written - started, line)
+
+
 def test_tokens_of_fast_steps_go_out_together(r, prefix, worker_factory, reference):
     """stream_interval_ms: the first token at once, then the tokens of faster steps in one
     entry each interval (logprobs and choices joined along), contiguous, the same tokens."""

@@ -2,11 +2,12 @@
 
 One iteration of :meth:`Service.run_once`:
 
-1. read control messages (cancellations) and apply them;
-2. pull new requests, most urgent level first, only as many as the engine can admit soon
+1. on timers: heartbeat, refresh of in-flight entries, claims of dead workers' entries,
+   the sweeps of unread entries (first, so a starting worker's heartbeat is out before its
+   first read, which blocks up to a second when there is no work);
+2. read control messages (cancellations) and apply them;
+3. pull new requests, most urgent level first, only as many as the engine can admit soon
    (free sequence slots and free cache tokens); block on the streams only when idle;
-3. on timers: heartbeat, refresh of in-flight entries, claims of dead workers' entries,
-   the sweeps of unread entries;
 4. one ``engine.step()``;
 5. publish every output of the step in one MULTI/EXEC round trip: a token entry per
    request that produced tokens, a final ``done``/``error`` entry, and for finished
@@ -137,12 +138,12 @@ class Service:
     def _talk(self, now: float) -> None:
         """Everything the loop reads from Redis: control, new entries, the timers."""
         try:
+            self._timers(now)
             if now >= self.due["poll"] or not self.engine.has_unfinished():
                 self.due["poll"] = now + POLL_S
                 control.read(self)
                 if not self.stopping:
                     intake.pull(self)
-            self._timers(now)
         except redis.ResponseError as e:
             if "NOGROUP" in str(e):  # Redis lost our groups: recreate them, say what was lost
                 self.conn.reset()

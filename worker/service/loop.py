@@ -136,7 +136,7 @@ class Service:
             self._flush()
 
     def _talk(self, now: float) -> None:
-        """Everything the loop reads from Redis: control, new entries, the timers."""
+        """Everything the loop reads from Redis: the timers first, then control and new entries."""
         try:
             self._timers(now)
             if now >= self.due["poll"] or not self.engine.has_unfinished():

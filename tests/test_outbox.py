@@ -49,6 +49,23 @@ def test_a_dropped_request_leaves_the_step_script_of_the_others(r, prefix, wire)
     assert r.xrange(keys[2])[0][1][b"text"] == b"t2" and 0 < r.ttl(keys[0]) <= 60
 
 
+def test_a_step_script_stores_every_string_as_sent(r, prefix, wire):
+    """The step's token entries reach the script as one JSON argument (decoded by the server):
+    what the streams hold is the strings as the worker sent them, whatever they contain."""
+    texts = ["plain", "", "caf\u00e9 \u65e5\u672c \U0001f600", "quote \" back \\ slash /", "nul \x00 tab \t nl \n",
+             "\u2028\u2029 \x7f", "[1,2]", "null", "-0.5e3"]
+    keys = [f"{prefix}:result:s{i}" for i in range(len(texts))]
+    entries = [(k, token_entry(i, [i, 2**40], t, index=i, finish_reason="stop" if i % 2 else None))
+               for i, (k, t) in enumerate(zip(keys, texts))]
+    box = Outbox()
+    box.add(PublishTokens(entries))
+    box.flush(r, wire)
+    for key, entry in entries:
+        (_, got), = r.xrange(key)
+        assert list(got.items()) == [(f.encode(), v.encode()) for f, v in entry.items()]
+        assert 0 < r.ttl(key) <= 60
+
+
 def test_finalize_only_while_the_entry_is_ours(r, prefix, wire, caplog):
     keys = Keys(prefix)
     stream, entry_id = pending_entry(r, keys, "other")

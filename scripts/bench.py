@@ -668,10 +668,10 @@ def measure_peak(dtype: str, device: str = "cpu") -> tuple[float, str]:
 
 def measure_read(device: str = "cpu") -> float:
     """The memory's read speed now (bench_flops.read_bandwidth), GB/s, also on stderr."""
-    from bench_flops import read_bandwidth
+    from bench_flops import read_bandwidth, read_mbytes
 
     gbs = read_bandwidth(device)
-    print(f"  memory read: {gbs:.1f} GB/s (a sum over 256 MB)", file=sys.stderr, flush=True)
+    print(f"  memory read: {gbs:.1f} GB/s (a sum over {read_mbytes(device):,} MB)", file=sys.stderr, flush=True)
     return gbs
 
 
@@ -830,9 +830,12 @@ def main(argv=None) -> int:
           f"seed {args.seed}, greedy, EOS ignored; torch {torch.__version__}, {_where(args)}\n")
     peak = max(peak, measure_peak(args.dtype, args.device))  # and again after the systems ran: the better of the two
     reads.append(measure_read(args.device))
+    from bench_flops import read_mbytes
+
     print(f"GEMM peak ({args.dtype}, best of a measurement before and one after the systems ran): {peak[0]:,.0f} GFLOP/s ({peak[1]}); "
           f"MFU = the model's linear-layer GFLOP/s over it (scripts/bench_flops.py). Memory read before / after the "
-          f"systems ran: {reads[0]:.1f} / {reads[1]:.1f} GB/s (a sum over 256 MB; decode steps are bound by it)\n")
+          f"systems ran: {reads[0]:.1f} / {reads[1]:.1f} GB/s (a sum over {read_mbytes(args.device):,} MB, past the "
+          f"CPU's caches; decode steps are bound by it)\n")
     read = max(reads)
     print(main_table(results, peak[0], read))
     print("\nThe ceiling (scripts/bench_flops.py): every linear at the GEMM peak, then every decode step's K/V "

@@ -62,3 +62,22 @@ def test_the_ceiling_counts_every_decode_read():
     # linears at the peak, then the reads at the read rate: 2 GFLOP at 100 GFLOP/s + 3 GB at 10 GB/s
     assert abs(ceiling_s(2e9, 3e9, 100.0, 10.0) - 0.32) < 1e-12
     assert ceiling_s(2e9, 3e9, 0.0, 10.0) == 0.0  # no yardstick, no ceiling
+
+
+def test_the_memory_read_outsizes_the_cpus_caches():
+    """The read rate the ceiling uses must come from memory, not from a last-level cache that
+    holds the whole buffer (a 300 MiB L3 read a 256 MB sum at twice its memory's rate)."""
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_flops import last_level_cache_bytes, read_mbytes
+
+    getconf = shutil.which("getconf")
+    l3 = subprocess.run([getconf, "LEVEL3_CACHE_SIZE"], capture_output=True, text=True) if getconf else None
+    if l3 is None or not l3.stdout.strip().isdigit() or int(l3.stdout) <= 0:
+        import pytest
+
+        pytest.skip("the C library does not report an L3 size here")
+    assert last_level_cache_bytes() >= int(l3.stdout)
+    assert read_mbytes("cpu") * 2**20 >= 4 * int(l3.stdout)
+    assert read_mbytes("cuda") == 256

@@ -166,21 +166,27 @@ def test_high_priority_pulled_past_a_full_engine(r, prefix, worker_factory):
 
 
 def test_worker_killed_mid_generation_loses_nothing(r, prefix, worker_factory, reference):
+    # Killed after a request's second entry (its first goes out at once, the next 20 ms later),
+    # with 200 tokens each to go: a fast machine ran 60 tokens for all six between a later
+    # kill and the poll that ordered it, and the rescuer had nothing left to claim.
+    n = 200
     a = worker_factory(prefix, name="victim")
     prompts = {f"c{i}": [3 + i, 40 + i, 7, 99 - i] for i in range(6)}
     for rid, ids in prompts.items():
-        xadd(r, prefix, ["high", "normal", "low"][int(rid[1:]) % 3], id=rid, input_ids=json.dumps(ids), max_tokens="60",
+        xadd(r, prefix, ["high", "normal", "low"][int(rid[1:]) % 3], id=rid, input_ids=json.dumps(ids), max_tokens=str(n),
              temperature="0", ignore_eos="true")
-    wait_tokens(r, f"{prefix}:result:c0", 5)
+    wait_tokens(r, f"{prefix}:result:c0", 2)
     a.kill()  # SIGKILL mid-generation
+    unfinished = [rid for rid in prompts if not any(e[b"type"] == b"done" for _, e in r.xrange(f"{prefix}:result:{rid}"))]
+    assert unfinished, "the victim finished every request before it was killed: nothing was left to claim"
     b = worker_factory(prefix, name="rescuer")
     for rid, ids in prompts.items():
         got, _, final, raw = read_result(r, f"{prefix}:result:{rid}", timeout=120)
         assert final["type"] == "done" and final["finish_reason"] == "length", final
-        assert got == reference(ids, 60), rid
+        assert got == reference(ids, n), rid
         tokens = [(int(e["seq"]), len(json.loads(e["ids"]))) for e in raw if e["type"] == "token"]
-        starts = [0, *(seq + n for seq, n in tokens[:-1])]
-        assert [seq for seq, _ in tokens] == starts and sum(n for _, n in tokens) == 60, f"{rid}: entries {tokens}"
+        starts = [0, *(seq + k for seq, k in tokens[:-1])]
+        assert [seq for seq, _ in tokens] == starts and sum(k for _, k in tokens) == n, f"{rid}: entries {tokens}"
     for level in ("high", "normal", "low"):
         assert r.xpending(f"{prefix}:requests:{level}", f"{prefix}:workers")["pending"] == 0
     assert "event=claimed" in b.log

@@ -167,8 +167,8 @@ def test_high_priority_pulled_past_a_full_engine(r, prefix, worker_factory):
 
 def test_worker_killed_mid_generation_loses_nothing(r, prefix, worker_factory, reference):
     # Killed after a request's second entry (its first goes out at once, the next 20 ms later),
-    # with 200 tokens each to go: a fast machine ran 60 tokens for all six between a later
-    # kill and the poll that ordered it, and the rescuer had nothing left to claim.
+    # with 200 tokens each to go: killed after the fifth with 60 to go, a fast machine had
+    # finished all six requests by then, and the rescuer had nothing left to claim.
     n = 200
     a = worker_factory(prefix, name="victim")
     prompts = {f"c{i}": [3 + i, 40 + i, 7, 99 - i] for i in range(6)}

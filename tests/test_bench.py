@@ -4,9 +4,12 @@ config and prints its tables (speed is not asserted: CI machines are shared)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,16 +70,12 @@ def test_the_ceiling_counts_every_decode_read():
 def test_the_memory_read_outsizes_the_cpus_caches():
     """The read rate the ceiling uses must come from memory, not from a last-level cache that
     holds the whole buffer (a 300 MiB L3 read a 256 MB sum at twice its memory's rate)."""
-    import shutil
-
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_flops import last_level_cache_bytes, read_mbytes
 
     getconf = shutil.which("getconf")
     l3 = subprocess.run([getconf, "LEVEL3_CACHE_SIZE"], capture_output=True, text=True) if getconf else None
     if l3 is None or not l3.stdout.strip().isdigit() or int(l3.stdout) <= 0:
-        import pytest
-
         pytest.skip("the C library does not report an L3 size here")
     assert last_level_cache_bytes() >= int(l3.stdout)
     assert read_mbytes("cpu") * 2**20 >= 4 * int(l3.stdout)

@@ -60,6 +60,9 @@ LIBRARIES = {  # name: (sources, headers: part of the build's key, not compiled 
             [CSRC / "amx.h", CSRC / "exp.h"]),
 }
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Built for this CPU: the sources pick their path (AVX-512, AVX2, portable) by the compiler's
+# macros, so every path must compile (tests/test_native_sources.py builds each for other CPUs).
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _locks = {name: threading.Lock() for name in LIBRARIES}
 _loaded: set[str] = set()  # libraries built and loaded in this process
@@ -181,7 +184,7 @@ def _build(library: str) -> bool:
                 cpp_extension.load(
                     name=name,
                     sources=[str(path) for path in LIBRARIES[library][0]],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_cflags=CFLAGS,
                     extra_ldflags=["-fopenmp"],
                     build_directory=build_dir,
                     is_python_module=False,

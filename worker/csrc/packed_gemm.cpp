@@ -289,14 +289,6 @@ constexpr int64_t kPanelRows = 64, kPanelRowsF32 = 32, kPanelRowsMkl = 24;
 // 20.3 / 28.2; 16 and 24 rows level. Each row's sums are the same either way.
 constexpr int kRowsPass = 12;
 
-bool amd() {
-  static const bool is = [] {
-    __builtin_cpu_init();
-    return bool(__builtin_cpu_is("amd"));
-  }();
-  return is;
-}
-
 // w [N, K] -> [N / 32][K / E][32][E]: E = 2 keys a lane (bf16) or 1 (float32)
 template <typename T, int E>
 at::Tensor pack_panels(const at::Tensor& w) {
@@ -408,6 +400,15 @@ bool panels_usable(at::ScalarType dtype) {
 }
 
 using Kernel = Packed::Kernel;
+
+// (on every ISA: f32_mkl asks it on AVX2 machines too)
+bool amd() {
+  static const bool is = [] {
+    __builtin_cpu_init();
+    return bool(__builtin_cpu_is("amd"));
+  }();
+  return is;
+}
 
 bool f32_mkl() { return mkl().ok() && !amd(); }  // Intel's float32 rows past the panels' go to MKL
 

@@ -197,8 +197,47 @@ void attend_one(const float* __restrict qf, const T* kp, const T* vp, const int6
 }
 
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+
+// The decode kernels fetch pages PFD ahead of the one they read, a row's lines for each row
+// read (issued all at once at a page's start, the prefetches held up the loads that needed
+// the lines now). SmolLM2's shapes, 64 sequences of 310 tokens, 30 layers, Intel Xeon, 2
+// threads: bf16 29.7 -> 25.7 ms, float32 46.7 -> 42.3 ms against one page ahead issued at
+// once; a plain read of the same pages runs at 28 GB/s (16.3 ms).
+constexpr int PFD = 2;
+
+// Where those prefetches land: L1 on Intel (measured there as above), L2 on AMD. On an AMD EPYC
+// (Zen 4, 2 threads, the shapes above at 340 tokens, 519 MB of bf16 pages) into L1 the decode
+// kernel took 28-30 ms and 57 ms in float32, into L2 23.7-25.8 and 44-47 (into L3 25.7, past the
+// caches 28-32); with the pages L3-hot, 22 against 36 GB/s: the L1 prefetches evicted lines
+// still being read.
+const bool kPrefetchL2 = [] {
+  __builtin_cpu_init();
+  return bool(__builtin_cpu_is("amd"));
+}();
+
+inline void prefetch_line(const char* p) {
+  if (kPrefetchL2)
+    _mm_prefetch(p, _MM_HINT_T1);
+  else
+    _mm_prefetch(p, _MM_HINT_T0);
+}
+
+// The head's part of `count` pages from slot p0 on (stopping at hi), all at once: the first
+// pages a pass reads, before the pass prefetches a row at a time.
+template <typename T>
+inline void prefetch_pages(const T* pool, const int64_t* table, int64_t p0, int64_t hi, int64_t count, int64_t ps,
+                           int64_t page_stride, int64_t head_off, int64_t D) {
+  for (int64_t d = 0; d < count && p0 < hi; p0 += ps, ++d) {
+    const char* c = reinterpret_cast<const char*>(pool + table[p0 / ps] * page_stride + head_off);
+    for (int64_t x = 0; x < int64_t(ps * D * sizeof(T)); x += 64) prefetch_line(c + x);
+  }
+}
+
+#endif
+
+#if defined(__AVX512F__)
 
 // The AVX-512 path: slots are scored 16 at a time. Each slot's dot product is a few FMAs
 // into its own accumulator (bf16 K with AVX512-BF16: dot products of bf16 pairs straight
@@ -236,41 +275,6 @@ inline __m512 exp_neg16(__m512 x) {
   const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(y, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   return _mm512_scalef_ps(pow2_frac16(_mm512_sub_ps(y, n)), n);  // p * 2^n, exact (n >= -126: a normal power of two)
-}
-
-// The decode kernels fetch pages PFD ahead of the one they read, a row's lines for each row
-// read (issued all at once at a page's start, the prefetches held up the loads that needed
-// the lines now). SmolLM2's shapes, 64 sequences of 310 tokens, 30 layers, Intel Xeon, 2
-// threads: bf16 29.7 -> 25.7 ms, float32 46.7 -> 42.3 ms against one page ahead issued at
-// once; a plain read of the same pages runs at 28 GB/s (16.3 ms).
-constexpr int PFD = 2;
-
-// Where those prefetches land: L1 on Intel (measured there as above), L2 on AMD. On an AMD EPYC
-// (Zen 4, 2 threads, the shapes above at 340 tokens, 519 MB of bf16 pages) into L1 the decode
-// kernel took 28-30 ms and 57 ms in float32, into L2 23.7-25.8 and 44-47 (into L3 25.7, past the
-// caches 28-32); with the pages L3-hot, 22 against 36 GB/s: the L1 prefetches evicted lines
-// still being read.
-const bool kPrefetchL2 = [] {
-  __builtin_cpu_init();
-  return bool(__builtin_cpu_is("amd"));
-}();
-
-inline void prefetch_line(const char* p) {
-  if (kPrefetchL2)
-    _mm_prefetch(p, _MM_HINT_T1);
-  else
-    _mm_prefetch(p, _MM_HINT_T0);
-}
-
-// The head's part of `count` pages from slot p0 on (stopping at hi), all at once: the first
-// pages a pass reads, before the pass prefetches a row at a time.
-template <typename T>
-inline void prefetch_pages(const T* pool, const int64_t* table, int64_t p0, int64_t hi, int64_t count, int64_t ps,
-                           int64_t page_stride, int64_t head_off, int64_t D) {
-  for (int64_t d = 0; d < count && p0 < hi; p0 += ps, ++d) {
-    const char* c = reinterpret_cast<const char*>(pool + table[p0 / ps] * page_stride + head_off);
-    for (int64_t x = 0; x < int64_t(ps * D * sizeof(T)); x += 64) prefetch_line(c + x);
-  }
 }
 
 // Scores of slots [0, len) (len <= 16) of one block for query head q: lane t = q . k_t.
@@ -427,7 +431,6 @@ void attend_avx512(const float* __restrict qf, const uint16_t* qb, const T* kp, 
   weigh_values<T, C>(vp, table, lo, hi, g, ps, page_stride, head_off, pbuf, stride, 1, sinks, m, l, acc);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 
 // The AVX2 path (AVX2 + FMA, no AVX-512: AMD Zen 2/3, older Intel): the same decode and prefill
 // kernels as the AVX-512 path above, on 8 lanes and 16 vector registers. Decode scores 8 slots
@@ -437,6 +440,11 @@ void attend_avx512(const float* __restrict qf, const uint16_t* qb, const T* kp, 
 // On an AMD EPYC with AVX2 (2 cores), one SmolLM2 layer: decode at 64 sequences (context about
 // 330, float32) 1.48 ms against the portable loop's 2.05 (22 against 16 GB/s of K/V); 2,461
 // prefill tokens in 8 chunks 18.5 ms against SDPA's 26.6 (60 against 42 GFLOP/s).
+// Its prefetches are the AVX-512 path's (PFD pages ahead, a row for each row read; the first
+// pages of each pass at its start). On an AMD EPYC (Zen 3) with AVX2, SmolLM2's 30 layers at 64
+// sequences of 310 tokens, in one process, interleaved: float32 68-70 -> 54-58 ms, bf16 53 -> 36
+// (600 tokens, float32: 130 -> 101) against the next page's lines issued at once at a page's
+// start; a plain read of the same pages ran at 19-24 GB/s (37-46 ms), L2 or L1 hints level.
 
 // bf16 or float32 row chunk (8 values) as float32
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -515,22 +523,28 @@ void attend_avx2(const float* __restrict qf, const uint16_t*, const T* kp, const
   constexpr int D = 8 * C;
   const int64_t n = hi - lo;
   const int64_t stride = ((n + 7) & ~int64_t(7)) + 8;  // a block entered part way writes up to 7 lanes past n
+  constexpr int64_t RB = D * sizeof(T);  // a row's bytes
   const __m256 vscale = _mm256_set1_ps(fscale);
+  // pass 1: scores, the page PFD ahead prefetched a row for each row scored (as attend_avx512)
+  prefetch_pages(kp, table, lo - lo % ps + ps, hi, PFD - 1, ps, page_stride, head_off, D);
   for (int64_t p0 = lo - lo % ps; p0 < hi; p0 += ps) {
     const int64_t pa = std::max(p0, lo) - p0, pb = std::min(p0 + ps, hi) - p0;
     const int64_t page = table[p0 / ps] * page_stride + head_off;
-    if (p0 + ps < hi) {
-      const char* kn = reinterpret_cast<const char*>(kp + table[p0 / ps + 1] * page_stride + head_off);
-      for (int64_t x = 0; x < int64_t(ps * D * sizeof(T)); x += 64) _mm_prefetch(kn + x, _MM_HINT_T0);
-    }
+    const char* kn = p0 + PFD * ps < hi
+                         ? reinterpret_cast<const char*>(kp + table[p0 / ps + PFD] * page_stride + head_off)
+                         : nullptr;
     for (int64_t a = pa; a < pb; a += 8) {
       const int64_t len = std::min<int64_t>(8, pb - a);
+      if (kn)
+        for (int64_t x = 0; x < len * RB; x += 64) prefetch_line(kn + a * RB + x);
       const T* kb = kp + page + a * D;
       const int64_t at = p0 + a - lo;
       for (int64_t j = 0; j < g; ++j)
         _mm256_storeu_ps(pbuf + j * stride + at, _mm256_mul_ps(scores8<T, C>(qf + j * D, kb, len), vscale));
     }
   }
+  // V's first pages are fetched while the softmax runs
+  prefetch_pages(vp, table, lo - lo % ps, hi, PFD, ps, page_stride, head_off, D);
   const __m256 neg = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < g; ++j) {
     float* r = pbuf + j * stride;
@@ -552,10 +566,9 @@ void attend_avx2(const float* __restrict qf, const uint16_t*, const T* kp, const
   for (int64_t p0 = lo - lo % ps; p0 < hi; p0 += ps) {
     const int64_t pa = std::max(p0, lo) - p0, pb = std::min(p0 + ps, hi) - p0;
     const int64_t page = table[p0 / ps] * page_stride + head_off;
-    if (p0 + ps < hi) {
-      const char* vn = reinterpret_cast<const char*>(vp + table[p0 / ps + 1] * page_stride + head_off);
-      for (int64_t x = 0; x < int64_t(ps * D * sizeof(T)); x += 64) _mm_prefetch(vn + x, _MM_HINT_T0);
-    }
+    const char* vn = p0 + PFD * ps < hi
+                         ? reinterpret_cast<const char*>(vp + table[p0 / ps + PFD] * page_stride + head_off + pa * D)
+                         : nullptr;
     const T* vb = vp + page + pa * D;
     const int64_t at = p0 + pa - lo, len = pb - pa;
     // up to 3 heads x CB vectors of sums on registers, each V load used by all of them
@@ -565,7 +578,10 @@ void attend_avx2(const float* __restrict qf, const uint16_t*, const T* kp, const
         __m256 o[3][CB];
         for (int j = 0; j < 3; ++j)
           for (int c = 0; c < CB; ++c) o[j][c] = j < jn ? _mm256_loadu_ps(acc + (j0 + j) * D + 8 * (cb + c)) : _mm256_setzero_ps();
+        const bool fetch = vn && j0 == 0 && cb == 0;  // (the first of the page's sweeps)
         for (int64_t t = 0; t < len; ++t) {
+          if (fetch)
+            for (int64_t x = 0; x < RB; x += 64) prefetch_line(vn + t * RB + x);
           __m256 w[3];
           for (int j = 0; j < 3; ++j) w[j] = _mm256_set1_ps(j < jn ? pbuf[(j0 + j) * stride + at + t] : 0.f);
           for (int c = 0; c < CB; ++c) {

@@ -69,14 +69,20 @@ def test_the_ceiling_counts_every_decode_read():
 
 def test_the_memory_read_outsizes_the_cpus_caches():
     """The read rate the ceiling uses must come from memory, not from a last-level cache that
-    holds the whole buffer (a 300 MiB L3 read a 256 MB sum at twice its memory's rate)."""
+    holds the whole buffer (a 300 MiB L3 read a 256 MB sum at twice its memory's rate).
+
+    The yardstick is what util-linux's lscpu reports for one instance of each cache (the
+    kernel's view), not the C library's ``getconf LEVEL3_CACHE_SIZE``: that asks CPUID, which on
+    an AMD EPYC virtual machine reported the host's 256 MiB where the machine has 32 MiB (a
+    plain read of 256 MB there ran at the memory's rate, 28-37 GB/s)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_flops import last_level_cache_bytes, read_mbytes
 
-    getconf = shutil.which("getconf")
-    l3 = subprocess.run([getconf, "LEVEL3_CACHE_SIZE"], capture_output=True, text=True) if getconf else None
-    if l3 is None or not l3.stdout.strip().isdigit() or int(l3.stdout) <= 0:
-        pytest.skip("the C library does not report an L3 size here")
-    assert last_level_cache_bytes() >= int(l3.stdout)
-    assert read_mbytes("cpu") * 2**20 >= 4 * int(l3.stdout)
+    lscpu = shutil.which("lscpu")
+    done = subprocess.run([lscpu, "--caches=ONE-SIZE", "--bytes"], capture_output=True, text=True) if lscpu else None
+    sizes = [int(x) for x in done.stdout.split() if x.isdigit()] if done and done.returncode == 0 else []  # (a header, then sizes)
+    if not sizes:
+        pytest.skip("lscpu does not report the caches here")
+    assert last_level_cache_bytes() == max(sizes)
+    assert read_mbytes("cpu") * 2**20 >= 4 * max(sizes)
     assert read_mbytes("cuda") == 256

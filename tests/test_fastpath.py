@@ -167,22 +167,35 @@ def test_merged_projections_any_order_any_input(pack):
                 torch.testing.assert_close(parts[i](inp), F.linear(inp, lins[i].weight, lins[i].bias), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("pick", ["here", "other"])
+@pytest.mark.parametrize("pick", ["here", "other", "widened"])
 def test_bfloat16_fast_path_agrees_with_eager(pick, monkeypatch):
     """bf16 linears run on AMX tiles where the CPU has AMX, on AVX512-BF16 dot products where
-    it has that alone (worker/csrc/packed_gemm.cpp), and as oneDNN's packed linears elsewhere:
-    each held to eager ("other": oneDNN where a packed kernel is picked here)."""
+    it has that alone (worker/csrc/packed_gemm.cpp), and as oneDNN's packed linears elsewhere,
+    in float32 where the CPU has no bf16 products and the packed kernels do not serve (an AMD
+    EPYC with AVX2: worker/compiled.py's _widened): each held to eager ("other": oneDNN where a
+    packed kernel is picked here; "widened": as on such a CPU, whatever this one has)."""
     from worker import native
 
     if pick == "other":
         if not native.packed_gemm_usable(torch.bfloat16):
             pytest.skip("no AMX or AVX512-BF16 here: oneDNN's linears are the only bf16 kernel")
         monkeypatch.setattr(native, "packed_gemm_preferred", lambda dtype: False)
+    if pick == "widened":
+        if not fastpath.onednn_packs(torch.float32):
+            pytest.skip("oneDNN does not pack float32 here")
+        monkeypatch.setattr(fastpath, "cpu_has_native_bf16", lambda: False)
+        monkeypatch.setattr(native, "packed_gemm_preferred", lambda dtype: False)
     model = tiny_model("llama", dtype=torch.bfloat16, seed=5)
     prompts, params = _workload(seed=7, n=48)
     fast_engine = make_engine(model, **ENGINE)
     assert fast_engine.runner.model is not model
-    assert fast_engine.runner.compiled.packed == (pick == "here" and native.packed_gemm_preferred(torch.bfloat16))
+    fwd = fast_engine.runner.compiled
+    assert fwd.packed == (pick == "here" and native.packed_gemm_preferred(torch.bfloat16))
+    # the graph's linears multiply in float32 exactly where oneDNN would emulate bf16
+    widened = not fwd.packed and fastpath.pack_dtype(torch.bfloat16, torch.device("cpu")) == torch.float32
+    assert widened or pick != "widened"
+    assert fwd.decoder.layers[0].o_w.dtype == (torch.float32 if widened else torch.bfloat16)
+    assert ("in torch.float32" in fwd.linears()) == widened
     fast = fast_engine.generate(prompts, params)
     eager = make_engine(model, fast_path=False, **ENGINE).generate(prompts, params)
     # bf16 keeps 8 bits of mantissa: a different summation order flips more near ties;

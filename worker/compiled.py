@@ -168,6 +168,11 @@ class _Layer(nn.Module):
         self.act = mlp.act_fn
         self.silu = type(mlp.act_fn).__name__ in SILUS
         self.qkv_h = self.o_h = self.gate_up_h = self.down_h = None
+        wide = None if packed else _widened(self.o_w)
+        if wide is not None:  # bf16 on a CPU without native bf16 GEMMs: float32 copies, as the eager fast path
+            for name in ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b"):
+                t = getattr(self, name)
+                setattr(self, name, None if t is None else _param(t.to(wide)))
         if packed:
             self.qkv_h, self.o_h = native.gemm_pack(self.qkv_w), native.gemm_pack(self.o_w)
             self.gate_up_h, self.down_h = native.gemm_pack(self.gate_up_w), native.gemm_pack(self.down_w)
@@ -177,8 +182,20 @@ class _Layer(nn.Module):
         return [h for h in (self.qkv_h, self.o_h, self.gate_up_h, self.down_h) if h is not None]
 
 
+def _widened(w: torch.Tensor) -> torch.dtype | None:
+    """The dtype the decoder's oneDNN linears multiply ``w``'s dtype in, where not its own:
+    float32 for bf16 on a CPU without native bf16 GEMMs (worker/fastpath.py's pack_dtype), where
+    the packed kernels do not take them (an AMD EPYC with AVX2; an Intel one widens in them).
+    Inductor would leave such bf16 linears to an emulated GEMM: small's bf16 bench on an AVX2
+    EPYC ran 42 output tok/s against float32's 217-235."""
+    pack = fastpath.pack_dtype(w.dtype, w.device)
+    return pack if pack is not None and pack != w.dtype else None
+
+
 def _linear(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, handle: int | None) -> torch.Tensor:
     if handle is None:
+        if w.dtype != x.dtype:  # widened (_widened): the products in float32, each output rounded back
+            return F.linear(x.to(w.dtype), w, b).to(x.dtype)
         return F.linear(x, w, b)
     y = torch.ops.tokenq_native.gemm_packed(x, handle)
     return y if b is None else y + b
@@ -353,7 +370,10 @@ class CompiledForward:
         """Which kernel runs the decoder's linears (for the engine's log line)."""
         if self.packed:
             return native.packed_gemm_kernel(self.decoder.embed.dtype)
-        return "oneDNN, packed by Inductor" if self.onednn else "Inductor's (cuBLAS)"
+        if not self.onednn:
+            return "Inductor's (cuBLAS)"
+        wide, own = self.decoder.layers[0].o_w.dtype, self.decoder.embed.dtype
+        return "oneDNN, packed by Inductor" + (f" in {wide} (no native {own} GEMMs here)" if wide != own else "")
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, meta) -> torch.Tensor:
         return self.head(self.hidden(ids, positions, meta).index_select(0, keep))

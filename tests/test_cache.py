@@ -182,3 +182,24 @@ def test_cpu_pools_lie_on_huge_pages():
     for pool in (c.k, c.v):
         assert int(pool.abs().sum()) == 0
         assert _huge_kib(pool) >= 2048
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
+def test_pools_zeroed_in_the_background_lie_on_huge_pages_too():
+    """The engine's pools are zeroed by a thread beside its compile (zero_later)."""
+    c = KVCache(num_layers=4, num_pages=2048, page_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                device=torch.device("cpu"), zero_later=True)
+    c.ready()
+    for pool in (c.k, c.v):
+        assert int(pool.abs().sum()) == 0
+        assert _huge_kib(pool) >= 2048
+
+
+def test_zero_in_background_overwrites_what_was_there():
+    from worker.tuning import zero_in_background
+
+    ts = [torch.full((1000, 37), float("nan")), torch.full((3, 5), 7, dtype=torch.bfloat16)]
+    zero_in_background(*ts).join()
+    assert all(bool((t == 0).all()) for t in ts)
+    with pytest.raises(ValueError, match="contiguous"):
+        zero_in_background(torch.zeros(4, 4).t())  # memset would write the wrong bytes

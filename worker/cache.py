@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.tuning import zeros_on_huge_pages
+from worker.tuning import empty_on_huge_pages, zero_in_background, zeros_on_huge_pages
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -166,11 +166,20 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         host_pages: int = 0,
+        zero_later: bool = False,
     ):
+        """``zero_later`` (CPU): the pools' zeros are written by a thread of their own; call
+        :meth:`ready` before the pools are used (the engine does, after its compile)."""
         shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
         on_cpu = torch.device(device).type == "cpu"
-        zeros = (lambda: zeros_on_huge_pages(shape, dtype)) if on_cpu else (lambda: torch.zeros(shape, dtype=dtype, device=device))
-        self.k, self.v = zeros(), zeros()
+        self._zeroing = None
+        if on_cpu and zero_later:
+            self.k, self.v = empty_on_huge_pages(shape, dtype), empty_on_huge_pages(shape, dtype)
+            self._zeroing = zero_in_background(self.k, self.v)
+        elif on_cpu:
+            self.k, self.v = zeros_on_huge_pages(shape, dtype), zeros_on_huge_pages(shape, dtype)
+        else:
+            self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
         self.num_pages = num_pages
         self.host_k = self.host_v = None
@@ -179,6 +188,12 @@ class KVCache:
             pin = device.type == "cuda"
             self.host_k = torch.zeros(hshape, dtype=dtype, pin_memory=pin)
             self.host_v = torch.zeros(hshape, dtype=dtype, pin_memory=pin)
+
+    def ready(self) -> None:
+        """Wait for the pools' zeros (see zero_later)."""
+        if self._zeroing is not None:
+            self._zeroing.join()
+            self._zeroing = None
 
     @staticmethod
     def bytes_per_page(*, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

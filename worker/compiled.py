@@ -71,7 +71,7 @@ ROW_STEP = 16
 MAX_DECODERS = 128  # compiled decoders one process may hold (see CompiledForward)
 # The RoPE table covers the model's whole exact length up to this many positions, so that
 # engines on one model with different cache sizes (hence different max_model_len) share one
-# graph instead of compiling their own (the table is a constant of the frozen graph); 32 MB at
+# graph instead of compiling their own (the table's length is a size of the graph); 32 MB at
 # most, for head size 128 in float32. Past it, the table is as long as the engine needs.
 TABLE_LEN = 32768
 
@@ -337,8 +337,8 @@ class CompiledForward:
             silu_mul = torch.ops.tokenq_native.silu_mul
         self.decoder = Decoder(model, max_len, attend, self.packed, silu_mul).eval()
         self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
-        # Each decoder is its own graph (its weights are frozen into it; Dynamo guards on the
-        # instance), but all share Decoder.forward's code object, whose cache Dynamo caps at
+        # Each decoder is its own graph (its weights frozen into it, or its packed weights'
+        # handles constants of it; Dynamo guards on the instance), but all share Decoder.forward's code object, whose cache Dynamo caps at
         # recompile_limit entries (8): more than that many engines on different models in one
         # process (a test run) would fail to compile.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_DECODERS)
@@ -482,7 +482,12 @@ def warm_up(fwd: CompiledForward, model: nn.Module, eager: nn.Module, shape: dic
     cache = KVCache(num_pages=pages, dtype=dtype, device=device, **shape)
     t = time.perf_counter()
     # Freezing (weights as constants: Inductor packs them for oneDNN and fuses activations into
-    # the GEMMs) is read from the global config when the graph compiles, not from options.
+    # the GEMMs) is read from the global config when the graph compiles, not from options. Only
+    # where Inductor runs the linears: where the packed kernels take them all, the graph names
+    # them by handle and holds no weight matrix, and freezing only cost time (SmolLM2 float32 on
+    # an AMD EPYC: a first compile 33.4 s against 27.5 s without; a restart 16-24 s against 5 s,
+    # as the C++ wrapper names frozen constants by address and was rebuilt at every start),
+    # decode steps level (1 to 64 sequences, tiny, small and SmolLM2, interleaved).
     # emulate_precision_casts: a fused loop rounds its intermediates to bf16 where the eager
     # model does (closer to the eager forward, and to the exact result, than without).
     # cpp.dynamic_threads: every fused loop gets a parallel region. Inductor otherwise decides
@@ -497,9 +502,9 @@ def warm_up(fwd: CompiledForward, model: nn.Module, eager: nn.Module, shape: dic
     # SmolLM2 bf16 decode step at 64 sequences 74 -> 71.5 ms, at 1 sequence 22 -> 20.7). Not
     # on CUDA, where CUDA graphs take that cost away from decode steps (docs/cuda.md).
     # cpp_wrapper_build_separate: the kernels compiled apart from the wrapper, so Inductor's
-    # cache keeps them; the wrapper itself names the frozen weights' addresses and is built
+    # cache keeps them; where weights are frozen the wrapper names their addresses and is built
     # again at every start (3.5 s for SmolLM2 this way, 9 s as one file with the kernels).
-    options = dict(freezing=True, emulate_precision_casts=True)
+    options = dict(freezing=not fwd.packed, emulate_precision_casts=True)
     if torch.device(device).type == "cpu":  # (CPU-only settings: a CUDA machine's torch may not know them)
         options.update(cpp_wrapper=True, cpp_wrapper_build_separate=True,
                        **{"cpp.dynamic_threads": True, "cpp.vec_isa_ok": True if native.load_linears() is not None else None})

@@ -83,8 +83,9 @@ class Engine:
         # the allocator hands out: the scratch page that CUDA graphs' padding rows write to.
         no_gpu = gpu_attention.why_not(self.device, self.dtype, head_dim, model) if cfg.fast_path else "the fast path is off"
         scratch = 1 if no_gpu is None else 0
+        # (its zeros written beside the compile below: ready() at the end)
         self.cache = KVCache(num_pages=num_pages + scratch, dtype=self.dtype, device=self.device, host_pages=host_pages,
-                             **shape)
+                             zero_later=True, **shape)
         self.allocator = BlockAllocator(num_pages, cfg.page_size)
         host_alloc = BlockAllocator(host_pages, cfg.page_size) if host_pages else None
         model_len = max_exact_len(mcfg)
@@ -115,6 +116,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._aborted: list[RequestOutput] = []
         self._stats = EngineStats(num_total_pages=num_pages)
+        self.cache.ready()
         log.info(
             "engine: %d pages x %d tokens (%.2f GiB), max_model_len %d, %s/%s, device %s %s",
             num_pages, cfg.page_size, num_pages * KVCache.bytes_per_page(**shape, dtype=self.dtype) / 2**30,

@@ -179,7 +179,8 @@ class KVCache:
         elif on_cpu:
             self.k, self.v = zeros_on_huge_pages(shape, dtype), zeros_on_huge_pages(shape, dtype)
         else:
-            self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
         self.num_pages = num_pages
         self.host_k = self.host_v = None

@@ -338,9 +338,10 @@ class CompiledForward:
         self.decoder = Decoder(model, max_len, attend, self.packed, silu_mul).eval()
         self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
         # Each decoder is its own graph (its weights frozen into it, or its packed weights'
-        # handles constants of it; Dynamo guards on the instance), but all share Decoder.forward's code object, whose cache Dynamo caps at
-        # recompile_limit entries (8): more than that many engines on different models in one
-        # process (a test run) would fail to compile.
+        # handles constants of it; Dynamo guards on the instance), but all share
+        # Decoder.forward's code object, whose cache Dynamo caps at recompile_limit entries (8):
+        # more than that many engines on different models in one process (a test run) would
+        # fail to compile.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_DECODERS)
         # With the native attention op, the graph is compiled by a first call that does not run it
         # (hidden): that library may still be building (worker/native.py).

@@ -35,6 +35,18 @@ def test_allocate_free_counts():
     assert a.allocate(0) == []
 
 
+def test_a_table_gets_ascending_pages_and_gets_them_again_once_freed():
+    """The decode kernel streams a sequence's pages forward: an allocation hands them out in
+    ascending order, and a table freed and taken again (the warm pages first) comes back so."""
+    a = BlockAllocator(16, 4)
+    x, y = a.allocate(5), a.allocate(3)
+    assert x == [0, 1, 2, 3, 4] and y == [5, 6, 7]
+    a.free(x)
+    assert a.allocate(5) == x
+    a.free(y)
+    assert a.allocate(4) == [5, 6, 7, 8]
+
+
 def test_double_free_and_bad_tables_are_caught():
     a = BlockAllocator(4, 2)
     x = a.allocate(2)

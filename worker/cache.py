@@ -70,7 +70,10 @@ class BlockAllocator:
         if n > self.num_free:
             raise MemoryError(f"asked for {n} pages, {self.num_free} free")
         k = min(n, len(self._free))
-        pages = self._free[len(self._free) - k:]
+        # Popped one by one: the stack's top first. A table freed (last page first) and taken
+        # again comes back in ascending order, so a sequence's pages lie at rising addresses and
+        # the decode kernel streams them forward (worker/csrc/paged_attention.cpp).
+        pages = self._free[len(self._free) - k:][::-1]
         del self._free[len(self._free) - k:]
         for _ in range(n - k):
             p = next(iter(self._cached))

@@ -275,11 +275,12 @@ def test_a_process_with_another_path_loads_the_build_without_rebuilding():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_gemm_serves_every_row_count(dtype):
     """worker/csrc/packed_gemm.cpp packs a weight once (float32: in panels for AVX-512 up to 24
-    rows on Intel, 32 on AMD, and for MKL (told 64 rows) or oneDNN past them; bf16: in AMX tiles
-    up to 128 rows, or without AMX in key pairs for AVX512-BF16 up to 64, and for oneDNN past
-    them; with neither, widened to float32 for the float32 kernels); the compiled forward runs it at every
-    step's row count, so each must give x @ w.T as closely as F.linear does. Shapes whose sizes
-    are not multiples of 32 (bf16: oneDNN's alone) are served too."""
+    rows on Intel, 32 on AMD Zen 4, 128 on Zen 5, and for MKL (told 64 rows) or oneDNN past them;
+    bf16: in AMX tiles up to 128 rows, or without AMX in key pairs for AVX512-BF16 up to 64 (Zen
+    5: 128), and for oneDNN past them; with neither, widened to float32 for the float32 kernels);
+    the compiled forward runs it at every step's row count, so each must give x @ w.T as closely
+    as F.linear does. Shapes whose sizes are not multiples of 32 (bf16: oneDNN's alone) are
+    served too."""
     if not native.packed_gemm_usable(dtype):
         pytest.skip(f"no packed {dtype} kernel here (float32: AVX-512 or MKL; bf16: those, widened)")
     gen = torch.Generator().manual_seed(0)

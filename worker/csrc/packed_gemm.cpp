@@ -33,6 +33,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cpuid.h>
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -281,6 +282,13 @@ void gemm_tiles(const Packed& p, const at::Tensor& x, at::Tensor& y) {
 // 35.9 / 40.1, 64 rows 69.3 / 70.1, 128 rows 133 / 130 (small's: 16 rows 15.0 / 15.7, 32 rows
 // 25.8 / 25.9, 64 rows 50.4 / 46.9)).
 constexpr int64_t kPanelRows = 64, kPanelRowsF32 = 32, kPanelRowsMkl = 24;
+// AMD Zen 5 (family 1Ah), whose FMA units are 512 bits wide (Zen 4 splits a 512-bit FMA in two
+// halves): there the panels stay ahead of oneDNN's kernels further, to 128 rows in both dtypes
+// (2 threads, ms for SmolLM2's 30 layers' linears, panels against oneDNN; float32: 48 rows
+// 25.4 / 30.1, 64 rows 33.2 / 37.6, 96 rows 45.6 / 49.6, 128 rows 60.5 / 62.8, 256 rows 116 / 117;
+// bf16: 64 rows 16.9 / 20.5, 96 rows 22.6 / 26.9, 128 rows 30.4 / 33.3; small's twelve layers
+// level from 64 rows on, within 2% to 128 in both dtypes).
+constexpr int64_t kPanelRowsZen5 = 128;
 // Rows a pass, at most: 2 x 12 accumulators + 2 weight vectors + 1 broadcast. The rows are spread
 // evenly over the passes (13 rows as 7 + 6, not 12 + 1): a pass of one to three rows has too few
 // accumulators to hide the products' latency, and cost as much as a full one. AMD EPYC, 2 threads,
@@ -412,6 +420,15 @@ bool amd() {
 
 bool f32_mkl() { return mkl().ok() && !amd(); }  // Intel's float32 rows past the panels' go to MKL
 
+bool zen5() {
+  static const bool is = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!amd() || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+    return ((a >> 8) & 0xF) + ((a >> 20) & 0xFF) >= 0x1A;  // base family + extended family
+  }();
+  return is;
+}
+
 // The kernel of the rows past `kernel`'s
 Kernel past_for(Kernel kernel, at::ScalarType dtype) {
   return kernel == Kernel::panels && dtype == at::kFloat && f32_mkl() ? Kernel::mkl : Kernel::onednn;
@@ -432,7 +449,9 @@ int64_t kernel_rows(Kernel kernel, at::ScalarType dtype) {
     case Kernel::mkl: return std::numeric_limits<int64_t>::max();
     case Kernel::tiles: return kTileRows;
 #if defined(__AVX512F__)
-    case Kernel::panels: return dtype == at::kBFloat16 ? kPanelRows : f32_mkl() ? kPanelRowsMkl : kPanelRowsF32;
+    case Kernel::panels:
+      if (zen5()) return kPanelRowsZen5;
+      return dtype == at::kBFloat16 ? kPanelRows : f32_mkl() ? kPanelRowsMkl : kPanelRowsF32;
 #endif
     default: return -1;
   }

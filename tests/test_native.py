@@ -70,8 +70,8 @@ def _case(dtype, D, kvh, g, seed, n=12, ps=16, pages=300):
 # 48: read at run time; (128, 1, 4): more query heads than the vector path holds on registers at once
 @pytest.mark.parametrize("D,kvh,g", [(64, 3, 3), (128, 2, 1), (32, 1, 4), (256, 1, 2), (48, 2, 2), (128, 1, 4)])
 @pytest.mark.parametrize("extra", ["plain", "window", "softcap", "sinks"])
-# 12 sequences (at two threads): on the AVX-512 path, a work item a sequence (its kv heads page by
-# page); 3: an item a kv head (too few sequences to share between the threads item by item)
+# 12 sequences (at two threads): on AMD's AVX-512 path, a work item a sequence (its kv heads page
+# by page); 3: an item a kv head (too few sequences to share between the threads item by item)
 @pytest.mark.parametrize("n", [12, 3])
 def test_kernel_matches_dense_attention(dtype, D, kvh, g, extra, n):
     q, kc, vc, tables, flat, offsets, ctx = _case(dtype, D, kvh, g, seed=D + g, n=n)

@@ -3,7 +3,7 @@
 //
 // Decode: for each (sequence, kv head) the g query heads that share that kv head are scored
 // against the sequence's slots page by page, float32 throughout, so each K/V slot is read
-// once, from the pool in place. A work item is one (sequence, kv head), or on the AVX-512
+// once, from the pool in place. A work item is one (sequence, kv head), or on AMD's AVX-512
 // path with many sequences a whole sequence, its kv heads page by page (see decode). Work items
 // are split between the threads by the number of slots they read, not by count (contexts differ
 // by 10x or more). With AVX-512 or AVX2 (float32 and bf16, head sizes 32, 64, 128 and 256, no
@@ -832,10 +832,12 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   // layers at 64 sequences of about 230 tokens, the engine's own pools and tables, AMD EPYC
   // (Zen 5), 2 threads, ms: float32 24.8 per head on descending pages, 22.8 per head on
   // ascending ones, 19.0 per sequence on ascending ones; bf16 20.7, 18.2 and 13.8. Fewer
-  // sequences keep an item per head, so that both threads have work.
+  // sequences keep an item per head, so that both threads have work. Only where the
+  // prefetches land in L2 (AMD): an item's pages ahead are then kvh times the bytes, and on
+  // Intel, where they land in L1 (48 KB), that is not measured.
   int64_t hpi = 1;
 #if defined(__AVX512F__)
-  if (fast && n >= 4 * at::get_num_threads()) hpi = kvh;
+  if (fast && kPrefetchL2 && n >= 4 * at::get_num_threads()) hpi = kvh;
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   if (amx) hpi = 1;

@@ -114,6 +114,41 @@ def test_steps_of_sizes_not_run_at_start_are_padded_where_linears_are_onednn(lla
         assert got == [t for o in eager.outputs[rid] for t in o.new_token_ids], rid
 
 
+def test_packed_linears_are_warmed_shape_by_shape_not_through_the_graph(llama32, monkeypatch):
+    """Where the packed kernels take every linear, a step size is warmed by running each
+    distinct linear shape and the LM head once at that many rows (oneDNN's primitives depend on
+    the shape and the row count, not the weights), not the whole graph; the sizes then run
+    unpadded, with the tokens the eager path gives."""
+    engine = make_engine(llama32, **ENGINE)
+    fwd = engine.runner.compiled
+    if not fwd.packed:
+        pytest.skip("the packed kernels do not take the linears on this CPU")
+    cfg = llama32.config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    assert {(out, k) for L in fwd.decoder.layers for _, out, k in L.gemm_shapes} == {
+        (q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)}
+    assert all(len(L.gemm_shapes) == 4 for L in fwd.decoder.layers)
+    assert set(range(1, ENGINE["max_num_seqs"] + 1)) <= fwd.warm_sizes
+    graph_rows, head_rows = [], []
+    graph, head = fwd.graph, fwd.head
+    monkeypatch.setattr(fwd, "graph", lambda ids, pos: graph_rows.append(len(ids)) or graph(ids, pos))
+    monkeypatch.setattr(fwd, "head", lambda x: head_rows.append(x.shape[0]) or head(x))
+    shape = dict(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                 page_size=ENGINE["page_size"])
+    kernels = (engine.runner.native_decode, engine.runner.native_prefill)
+    new = [37, 53, 70]
+    assert not set(new) & fwd.warm_sizes and [fwd.rows(t) for t in new] == ([48, 64, 80] if fwd.onednn else new)
+    assert compiled.warm_sizes(fwd, shape, torch.device("cpu"), torch.float32, kernels, new + [5]) > 0
+    assert graph_rows == [] and head_rows == new  # 5 was warm already
+    assert set(new) <= fwd.warm_sizes and [fwd.rows(t) for t in new] == new
+    run = drive(engine, _shapes_workload(seed=2))
+    eager = drive(make_engine(llama32, fast_path=False, **ENGINE), _shapes_workload(seed=2))
+    for rid in run.added:
+        got = [t for o in run.outputs[rid] for t in o.new_token_ids]
+        assert got == [t for o in eager.outputs[rid] for t in o.new_token_ids], rid
+
+
 def test_leftovers_in_reused_pages_change_nothing(llama32):
     """With the native kernels the runner does not zero a page it hands out again: nothing
     reads a slot past a sequence's context. A pool full of NaN and inf from the start, its pages

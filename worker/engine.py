@@ -129,11 +129,12 @@ class Engine:
             fwd, how = None, "the fast path is turned off"
         else:
             fwd, how = compiled.get(self.model, self.max_model_len, self.device, fast, shape, native_decode, native_prefill)
-        # every decode batch size once, and a step at the token budget: now rather than in the first steps served
+        # every decode batch size met once (compiled.warm_sizes), and a step at the token budget: now
+        # rather than in the first steps served
         if fwd is not None and self.device.type == "cpu":
             warm = compiled.warm_sizes(fwd, shape, self.device, self.dtype, (native_decode, native_prefill),
                                        range(1, self.config.max_num_seqs + 1))
-            how += f"; {self.config.max_num_seqs} batch sizes run once in {warm:.1f} s" if warm else ""
+            how += f"; {self.config.max_num_seqs} batch sizes warmed in {warm:.1f} s" if warm else ""
             budget = self.config.max_num_batched_tokens
             warm = compiled.warm_budget(fwd, shape, self.device, self.dtype, (native_decode, native_prefill), budget,
                                         self.max_model_len)

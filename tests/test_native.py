@@ -274,7 +274,7 @@ def test_a_process_with_another_path_loads_the_build_without_rebuilding():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_gemm_serves_every_row_count(dtype):
-    """worker/csrc/packed_gemm.cpp packs a weight once (float32: in panels for AVX-512 up to 24
+    """worker/csrc/packed_gemm.cpp packs a weight once (float32: in panels for AVX-512 up to 128
     rows on Intel, 32 on AMD Zen 4, 128 on Zen 5, and for MKL (told 64 rows) or oneDNN past them;
     bf16: in AMX tiles up to 128 rows, or without AMX in key pairs for AVX512-BF16 up to 64 (Zen
     5: 128), and for oneDNN past them; with neither, widened to float32 for the float32 kernels);
@@ -313,6 +313,28 @@ def test_packed_gemm_serves_every_row_count(dtype):
     with pytest.raises(RuntimeError, match=r"x must be \[M, 16\]"):  # another dtype
         torch.ops.tokenq_native.gemm_packed(torch.randn(2, 16).to(torch.float16), handle)
     native.gemm_release(handle)
+
+
+def test_float32_panels_give_a_row_the_sums_it_gets_alone():
+    """float32 rows up to 32 go to the AVX-512 panels on every CPU with AVX-512 (worker/csrc/
+    packed_gemm.cpp). Past 12 rows a panel takes several passes, and they go over the keys a
+    block of 128 at a time, each keeping its sums between blocks: a row's sums must still be
+    the ones it gets in a batch of one (the same products in the same order), bit for bit, so
+    that a sequence's greedy tokens do not depend on what else is in its decode step."""
+    if not native.packed_gemm_usable(torch.float32) or not native.packed_gemm_kernel(torch.float32).startswith("AVX-512"):
+        pytest.skip("no AVX-512 panels here")
+    gen = torch.Generator().manual_seed(1)
+    for K, N in ((576, 960), (1536, 576), (100, 64)):  # 4.5 blocks of keys, 12, one
+        w = torch.randn(N, K, generator=gen)
+        handle = native.gemm_pack(w)
+        try:
+            for M in (13, 24, 25, 32):  # 2 and 3 passes
+                x = torch.randn(M, K, generator=gen)
+                y = torch.ops.tokenq_native.gemm_packed(x, handle)
+                alone = torch.cat([torch.ops.tokenq_native.gemm_packed(x[i:i + 1], handle) for i in range(M)])
+                assert torch.equal(y, alone), (K, M)
+        finally:
+            native.gemm_release(handle)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -43,6 +43,7 @@
 #include <string>
 #include <utility>
 #include <unordered_map>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -268,12 +269,13 @@ void gemm_tiles(const Packed& p, const at::Tensor& x, at::Tensor& y) {
 // float32 FMAs of each row's key) and prefetches the weight stream 32 KB ahead into L2, spread
 // over the panel's passes. bf16 takes it wherever there is AVX512-BF16 and no AMX; float32
 // wherever there is AVX-512, for its fewest rows: past kPanelRowsF32 on AMD oneDNN's kernel, on
-// Intel past kPanelRowsMkl MKL's packed SGEMM, which is the faster one there from 32 rows on but
-// does not overlap the weights' stream with its products either (Intel Xeon, 480 MiB L3, 2
-// threads, ms for SmolLM2's 30 layers, panels against MKL: 1 row 14.2 / 15.6, 8 rows 16.2 / 23.0,
-// 12 rows 19.7 / 26.5, 16 rows 23.4 / 27.0, 24 rows 27.1 / 31.3, 28 rows 34.9 / 33.1, 32 rows
-// 33.3 / 32.6, 64 rows 55 / 46; small's 12: 8 rows 11.1 / 16.3, 12 rows 13.5 / 18.8, 24 rows
-// 21.0 / 22.7, 28 rows 26.0 / 23.8). Past 24 rows a third pass of 12 rows costs more than MKL.
+// Intel past kPanelRowsMkl MKL's packed SGEMM, which does not overlap the weights' stream with
+// its products either, and is the faster one from 192 rows on (Intel Xeon, 480 MiB L3, 2
+// threads, ms for SmolLM2's 30 layers, panels against MKL: 1 row 14.2 / 15.6, 8 rows 16.2 /
+// 23.0, 12 rows 19.7 / 26.5; since the passes take the keys a block at a time (kBlockSteps,
+// below) 32 rows 31.9 / 41.6, 48 rows 41.4 / 51.2, 64 rows 53.4 / 57.7, 96 rows 75.2 / 86.7, 128
+// rows 104 / 106, 192 rows 149 / 150; small's 12 layers: 32 rows 22.2 / 29.3, 64 rows 36.5 /
+// 40.2).
 #if defined(__AVX512F__)
 // Rows up to this many take gemm_panels (2 threads, ms for SmolLM2's 30 layers' linears, panels
 // against oneDNN; bf16: 1 row 7.7 / 11.8, 16 rows 10.3 / 14.7, 32 rows 18.3 / 23.0, 64 rows 34.3 /
@@ -281,7 +283,7 @@ void gemm_tiles(const Packed& p, const at::Tensor& x, at::Tensor& y) {
 // 25.2 / 25.1, 128 rows 49.1 / 47.3); float32: 1 row 14.0 / 18.8, 16 rows 21.2 / 24.8, 32 rows
 // 35.9 / 40.1, 64 rows 69.3 / 70.1, 128 rows 133 / 130 (small's: 16 rows 15.0 / 15.7, 32 rows
 // 25.8 / 25.9, 64 rows 50.4 / 46.9)).
-constexpr int64_t kPanelRows = 64, kPanelRowsF32 = 32, kPanelRowsMkl = 24;
+constexpr int64_t kPanelRows = 64, kPanelRowsF32 = 32, kPanelRowsMkl = 128;
 // AMD Zen 5 (family 1Ah), whose FMA units are 512 bits wide (Zen 4 splits a 512-bit FMA in two
 // halves): there the panels stay ahead of oneDNN's kernels further, to 128 rows in both dtypes
 // (2 threads, ms for SmolLM2's 30 layers' linears, panels against oneDNN; float32: 48 rows
@@ -296,6 +298,14 @@ constexpr int64_t kPanelRowsZen5 = 128;
 // 10.7 / 12.2, 37 rows 15.3 / 16.7, 61 rows 24.1 / 25.5; float32 13 rows 12.1 / 15.7, 25 rows
 // 20.3 / 28.2; 16 and 24 rows level. Each row's sums are the same either way.
 constexpr int kRowsPass = 12;
+// float32, where a panel takes more than one pass: the passes go over the panel's keys a block
+// of this many at a time (16 KB of the panel, read again from L1 by each pass rather than from
+// L2), each pass keeping its float32 sums between blocks. Every row's sums are the same, in the
+// same order. Intel Xeon, 2 threads, ms for SmolLM2's 30 layers, blocks of 128 keys against
+// whole panels: 16 rows 25.5 / 29.4, 24 rows 28.4 / 32.4, 32 rows 31.9 / 41.6, 64 rows 53.4 /
+// 65.6 (blocks of 64 keys: 53.5, 256: 52.6); small's 12 layers: 16 rows 17.5 / 22.0, 24 rows
+// 19.3 / 24.7. bf16 (AMD's AVX512-BF16, not measured blocked) keeps whole panels.
+constexpr int64_t kBlockSteps = 128;
 
 // w [N, K] -> [N / 32][K / E][32][E]: E = 2 keys a lane (bf16) or 1 (float32)
 template <typename T, int E>
@@ -322,14 +332,25 @@ struct Stream {
   }
 };
 
-// R rows of one panel: S steps of 128 bytes of weight, each row's step a 32-bit word of A
-// (a bf16 key pair, or a float32 key) at A[r * S + step]; y's rows N elements apart.
+// R rows of one panel: steps [p0, p1) of 128 bytes of weight, each row's step a 32-bit word of
+// A (a bf16 key pair, or a float32 key) at A[r * S + step]; y's rows N elements apart. The sums
+// start from zero at the first block of steps, else from acc (R x 32 floats), and go to y at
+// the last, else back to acc.
 template <bool BF16, int R>
-void pass_panel(const uint32_t* A, int64_t S, const char* B, void* Y, int64_t N, Stream& st) {
+void pass_panel(const uint32_t* A, int64_t S, int64_t p0, int64_t p1, const char* B, void* Y, int64_t N, Stream& st,
+                float* acc) {
   __m512 c0[R], c1[R];
+  if (p0 == 0) {
 #pragma GCC unroll 16  // (left a loop, GCC turned it into two calls to memset of the arrays, every pass)
-  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < S; ++p) {
+    for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
+  } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      c0[r] = _mm512_loadu_ps(acc + r * 32);
+      c1[r] = _mm512_loadu_ps(acc + r * 32 + 16);
+    }
+  }
+  for (int64_t p = p0; p < p1; ++p) {
     if ((p & 3) == 0) st.advance();
     const __m512i b0 = _mm512_loadu_si512(B + p * 128), b1 = _mm512_loadu_si512(B + p * 128 + 64);
     for (int r = 0; r < R; ++r) {
@@ -345,6 +366,14 @@ void pass_panel(const uint32_t* A, int64_t S, const char* B, void* Y, int64_t N,
       }
     }
   }
+  if (p1 < S) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(acc + r * 32, c0[r]);
+      _mm512_storeu_ps(acc + r * 32 + 16, c1[r]);
+    }
+    return;
+  }
   for (int r = 0; r < R; ++r) {
     if constexpr (BF16) {  // round to bf16 (nearest even), 32 columns a row
 #if defined(__AVX512BF16__)
@@ -357,7 +386,7 @@ void pass_panel(const uint32_t* A, int64_t S, const char* B, void* Y, int64_t N,
   }
 }
 
-using PassFn = void (*)(const uint32_t*, int64_t, const char*, void*, int64_t, Stream&);
+using PassFn = void (*)(const uint32_t*, int64_t, int64_t, int64_t, const char*, void*, int64_t, Stream&, float*);
 template <bool BF16, int... R>
 constexpr std::array<PassFn, sizeof...(R)> pass_table(std::integer_sequence<int, R...>) {
   return {pass_panel<BF16, R + 1>...};
@@ -380,11 +409,15 @@ void gemm_panels(const Packed& p, const at::Tensor& x, at::Tensor& y) {
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     // a panel's bytes are prefetched over all its passes (512 bytes of weight every 4 steps)
     Stream st{B + b0 * panel + kPrefetch, B + b1 * panel, 512 / passes};
+    const int64_t block = bf16 || passes == 1 ? S : kBlockSteps;  // steps of a block of keys
+    std::vector<float> acc(block < S ? passes * kRowsPass * 32 : 0);  // each pass's sums between blocks
     for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t m0 = 0; m0 < M; m0 += per) {
-        const int64_t rows = std::min<int64_t>(per, M - m0);
-        table[rows - 1](A + m0 * S, S, B + nb * panel, Y + (m0 * N + nb * 32) * size, N, st);
-      }
+      for (int64_t k0 = 0; k0 < S; k0 += block)
+        for (int64_t m0 = 0, pass = 0; m0 < M; m0 += per, ++pass) {
+          const int64_t rows = std::min<int64_t>(per, M - m0);
+          table[rows - 1](A + m0 * S, S, k0, std::min(S, k0 + block), B + nb * panel, Y + (m0 * N + nb * 32) * size, N, st,
+                          acc.data() + pass * kRowsPass * 32);
+        }
   });
 }
 #endif

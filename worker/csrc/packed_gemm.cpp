@@ -410,7 +410,7 @@ void gemm_panels(const Packed& p, const at::Tensor& x, at::Tensor& y) {
     // a panel's bytes are prefetched over all its passes (512 bytes of weight every 4 steps)
     Stream st{B + b0 * panel + kPrefetch, B + b1 * panel, 512 / passes};
     const int64_t block = bf16 || passes == 1 ? S : kBlockSteps;  // steps of a block of keys
-    std::vector<float> acc(block < S ? passes * kRowsPass * 32 : 0);  // each pass's sums between blocks
+    std::vector<float> acc(passes * kRowsPass * 32);  // each pass's sums between blocks of keys
     for (int64_t nb = b0; nb < b1; ++nb)
       for (int64_t k0 = 0; k0 < S; k0 += block)
         for (int64_t m0 = 0, pass = 0; m0 < M; m0 += per, ++pass) {

@@ -270,7 +270,7 @@ void gemm_tiles(const Packed& p, const at::Tensor& x, at::Tensor& y) {
 // over the panel's passes. bf16 takes it wherever there is AVX512-BF16 and no AMX; float32
 // wherever there is AVX-512, for its fewest rows: past kPanelRowsF32 on AMD oneDNN's kernel, on
 // Intel past kPanelRowsMkl MKL's packed SGEMM, which does not overlap the weights' stream with
-// its products either, and is the faster one from 192 rows on (Intel Xeon, 480 MiB L3, 2
+// its products either, and is level with them from 128 rows on (Intel Xeon, 480 MiB L3, 2
 // threads, ms for SmolLM2's 30 layers, panels against MKL: 1 row 14.2 / 15.6, 8 rows 16.2 /
 // 23.0, 12 rows 19.7 / 26.5; since the passes take the keys a block at a time (kBlockSteps,
 // below) 32 rows 31.9 / 41.6, 48 rows 41.4 / 51.2, 64 rows 53.4 / 57.7, 96 rows 75.2 / 86.7, 128
@@ -414,7 +414,9 @@ void gemm_panels(const Packed& p, const at::Tensor& x, at::Tensor& y) {
     // a panel's bytes are prefetched over all its passes (512 bytes of weight every 4 steps)
     Stream st{B + b0 * panel + kPrefetch, B + b1 * panel, passes};
     const int64_t block = bf16 || passes == 1 ? S : kBlockSteps;  // steps of a block of keys
-    std::vector<float> acc(passes * kRowsPass * 32);  // each pass's sums between blocks of keys
+    // each pass's sums between blocks of keys: kept by the thread, not allocated every call
+    static thread_local std::vector<float> acc;
+    if (acc.size() < size_t(passes * kRowsPass * 32)) acc.resize(passes * kRowsPass * 32);
     for (int64_t nb = b0; nb < b1; ++nb)
       for (int64_t k0 = 0; k0 < S; k0 += block)
         for (int64_t m0 = 0, pass = 0; m0 < M; m0 += per, ++pass) {

@@ -8,9 +8,12 @@ weights and compiled whole by Inductor, which fuses those ops into a few loops, 
 frozen weights for oneDNN and merges nothing the code does not merge itself (q/k/v and
 gate/up are concatenated here). bf16 linears are packed into AMX tiles instead on a CPU with
 AMX, for AVX512-BF16 dot products on one without, and float32 for AVX-512 FMAs and (Intel)
-MKL's SGEMM (worker/csrc/packed_gemm.cpp): the faster kernels there at decode row counts. On a
-CPU with no bf16 products at all, bf16 weights are widened to float32 for those float32 kernels
-(oneDNN emulates bf16 there, at a fifth of float32's rate). SiLU times up is a native op where
+MKL's SGEMM (worker/csrc/packed_gemm.cpp): the faster kernels there at decode row counts.
+Without AVX-512 on AMD the same library holds oneDNN's packed copies, so that there too the
+graph holds no weight and a restart finds it in Inductor's cache. On a CPU with no bf16
+products at all, bf16 weights are widened to float32 for those float32 kernels (oneDNN
+emulates bf16 there, at a fifth of float32's rate). Inductor's own frozen oneDNN linears
+remain where the native library cannot be built. SiLU times up is a native op where
 the attention is (worker/csrc/activations.cpp: Inductor's loop spent more on its exp than on
 reading and writing the values).
 
@@ -188,7 +191,8 @@ class _Layer(nn.Module):
 def _widened(w: torch.Tensor) -> torch.dtype | None:
     """The dtype the decoder's oneDNN linears multiply ``w``'s dtype in, where not its own:
     float32 for bf16 on a CPU without native bf16 GEMMs (worker/fastpath.py's pack_dtype), where
-    the packed kernels do not take them (an AMD EPYC with AVX2; an Intel one widens in them).
+    the packed kernels do not take them (the native library could not be built; where it is,
+    they widen bf16 themselves).
     Inductor would leave such bf16 linears to an emulated GEMM: small's bf16 bench on an AVX2
     EPYC ran 42 output tok/s against float32's 217-235."""
     pack = fastpath.pack_dtype(w.dtype, w.device)

@@ -325,9 +325,9 @@ _EMPTY_LONG = torch.empty(0, dtype=torch.long)
 def packed_gemm_usable(dtype: torch.dtype) -> bool:
     """Whether linears in ``dtype`` can run through weights packed here (worker/csrc/packed_gemm.cpp):
     float32 through AVX-512 vector panels at a decode step's fewest rows and MKL's packed SGEMM
-    (Intel) or oneDNN (AMD) past them, or MKL's alone (a torch with MKL, no AVX-512), bf16 on AMX
-    tiles (a CPU with AMX) or AVX512-BF16 dot products (one without), or with neither widened to
-    float32 for the float32 kernels."""
+    (Intel) or oneDNN (AMD) past them, or without AVX-512 MKL's alone (Intel) or oneDNN's (AMD),
+    bf16 on AMX tiles (a CPU with AMX) or AVX512-BF16 dot products (one without), or with
+    neither widened to float32 for the float32 kernels."""
     return load_linears() is not None and bool(_ops.gemm_supported(dtype))
 
 
@@ -349,19 +349,16 @@ def packed_gemm_onednn(dtype: torch.dtype) -> bool:
 def packed_gemm_preferred(dtype: torch.dtype) -> bool:
     """Whether linears in ``dtype`` should take the packed kernels here: float32 on a CPU with
     AVX-512 (decode steps' linears overlap reading their weights with their products there,
-    oneDNN's and MKL's did not: worker/csrc/packed_gemm.cpp), and float32 where MKL serves and the
-    CPU is Intel's; bf16 on AMX tiles or AVX512-BF16 dot products wherever those are, and where
-    neither is (oneDNN would emulate bf16), widened wherever float32 takes them. At decode row
-    counts (SmolLM2's shapes, 2 threads) MKL beat oneDNN's packed linears on an Intel Xeon (AVX-512: decode steps 6-15%
-    faster) and lost on an AMD EPYC (AVX2: decode steps at 64 / 16 / 1 sequences 220 / 114 / 63
-    ms against oneDNN's 193 / 76 / 39; MKL's kernels there ran no faster than its unpacked SGEMM)."""
-    if dtype == torch.bfloat16:
-        if packed_gemm_kernel(dtype).startswith(WIDENED):
-            return packed_gemm_preferred(torch.float32)
-        return packed_gemm_usable(dtype)
-    if dtype != torch.float32 or not packed_gemm_usable(dtype):
-        return False
-    return packed_gemm_kernel(dtype) != MKL or "GenuineIntel" in (_cpuinfo("vendor_id") or "")
+    oneDNN's and MKL's did not: worker/csrc/packed_gemm.cpp), and without AVX-512 through MKL's
+    kernels on an Intel CPU, oneDNN's elsewhere; bf16 on AMX tiles or AVX512-BF16 dot products
+    wherever those are, and where neither is (oneDNN would emulate bf16), widened to float32. At
+    decode row counts (SmolLM2's shapes, 2 threads) MKL beat oneDNN's packed linears on an Intel
+    Xeon (AVX-512: decode steps 6-15% faster) and lost on an AMD EPYC (AVX2: decode steps at 64 /
+    16 / 1 sequences 220 / 114 / 63 ms against oneDNN's 193 / 76 / 39; MKL's kernels there ran no
+    faster than its unpacked SGEMM), where oneDNN's packed copy serves instead: the same kernels
+    as Inductor's frozen linears, but named by handle, so a restart finds the graph in Inductor's
+    cache instead of compiling it again (a frozen graph names its weights' addresses)."""
+    return dtype in (torch.float32, torch.bfloat16) and packed_gemm_usable(dtype)  # the library picks the kernel
 
 
 def argmax_usable(logits: torch.Tensor) -> bool:

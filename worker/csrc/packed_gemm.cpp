@@ -10,7 +10,17 @@
 // GFLOP/s, MKL against oneDNN: 64 rows 255-285 against 191-236, 16 rows 170-266 against
 // 142-184, 1 row 2-4x; level from 256 rows on). torch ships MKL inside libtorch_cpu and
 // exports its CBLAS packing API; the symbols are looked up when the library loads, so a torch
-// built without MKL (another architecture) loads these ops and gemm_supported says false.
+// built without MKL (another architecture) loads these ops and uses oneDNN's alone.
+//
+// float32 without AVX-512 on AMD (an AVX2 EPYC): MKL's packed kernels lost to oneDNN's there
+// (decode steps at 64 / 16 / 1 sequences 220 / 114 / 63 ms against 193 / 76 / 39), so every row
+// count goes to oneDNN's packed copy, the one Inductor would make. Through a handle rather than
+// frozen into the graph: a frozen graph names its weights' addresses and was compiled again at
+// every start (a SmolLM2 worker's restart 69.8 s against a first start's 73.0 on that machine).
+// Emulated on an Intel Xeon (this library built for x86-64-v3 as AMD's, oneDNN held to AVX2),
+// SmolLM2 float32: a first start 41.7 -> 32.2 s (no freezing; each batch size warmed through its
+// GEMM shapes, not the graph), a restart 38.5 -> 13.2 s; decode steps at 1 and 16 sequences 3-5%
+// slower, at 64 level (the same GEMMs timed alone through either call are level).
 //
 // bfloat16 (AMX). A decode step's linears read every weight for a few rows each: they are
 // bound by how fast the weights stream in, and oneDNN's kernels (brg_matmul on AMX) leave that
@@ -136,6 +146,16 @@ void gemm_mkl(const Packed& p, const at::Tensor& packed, const at::Tensor& x, at
 at::Tensor call(const c10::OperatorHandle& op, std::vector<c10::IValue> stack) {
   op.callBoxed(&stack);
   return stack[0].toTensor();
+}
+
+// Whether this torch has oneDNN's linear ops (its CPU builds do)
+bool onednn_ok() {
+  static const bool ok = [] {
+    auto& d = c10::Dispatcher::singleton();
+    return d.findSchema({"mkldnn::_reorder_linear_weight", ""}).has_value() &&
+           d.findSchema({"mkldnn::_linear_pointwise", ""}).has_value();
+  }();
+  return ok;
 }
 
 at::Tensor pack_onednn(const at::Tensor& w) {
@@ -474,12 +494,12 @@ Kernel past_for(Kernel kernel, at::ScalarType dtype) {
 }
 
 // The kernel a weight of this dtype is packed for here: bf16 on AMX tiles, else on panels;
-// float32 on panels (AVX-512), else MKL's. A shape the panels cannot take goes to the kernel of
-// the rows past theirs: MKL's on Intel, oneDNN's on AMD.
+// float32 on panels (AVX-512), else MKL's on Intel and oneDNN's on AMD. A shape the panels
+// cannot take goes to the kernel of the rows past theirs: MKL's on Intel, oneDNN's on AMD.
 Kernel kernel_for(at::ScalarType dtype, int64_t n, int64_t k) {
   if (dtype == at::kBFloat16 && tiles_usable()) return tiles_fit(n, k) ? Kernel::tiles : Kernel::onednn;
   if (panels_usable(dtype)) return n % 32 == 0 && k % 2 == 0 ? Kernel::panels : past_for(Kernel::panels, dtype);
-  return dtype == at::kFloat && mkl().ok() ? Kernel::mkl : Kernel::onednn;
+  return dtype == at::kFloat && f32_mkl() ? Kernel::mkl : Kernel::onednn;
 }
 
 // The most rows a step sends to the packed kernel (more go to the copy of `past_for`'s kernel)
@@ -499,7 +519,7 @@ int64_t kernel_rows(Kernel kernel, at::ScalarType dtype) {
 }  // namespace
 
 bool gemm_supported(at::ScalarType dtype) {
-  if (dtype == at::kFloat) return panels_usable(dtype) || mkl().ok();
+  if (dtype == at::kFloat) return panels_usable(dtype) || mkl().ok() || onednn_ok();
   return dtype == at::kBFloat16 && (tiles_usable() || panels_usable(dtype) || gemm_supported(at::kFloat));
 }
 

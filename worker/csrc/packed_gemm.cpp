@@ -19,8 +19,9 @@
 // every start (a SmolLM2 worker's restart 69.8 s against a first start's 73.0 on that machine).
 // Emulated on an Intel Xeon (this library built for x86-64-v3 as AMD's, oneDNN held to AVX2),
 // SmolLM2 float32: a first start 41.7 -> 32.2 s (no freezing; each batch size warmed through its
-// GEMM shapes, not the graph), a restart 38.5 -> 13.2 s; decode steps at 1 and 16 sequences 3-5%
-// slower, at 64 level (the same GEMMs timed alone through either call are level).
+// GEMM shapes, not the graph), a restart 38.5 -> 13.2 s; decode steps at 1 sequence 4% slower
+// (about 15 us a linear: the graph's call of a custom op and ours of oneDNN's, against the
+// direct call Inductor makes of a frozen one), at 16 1-2%, at 64 level.
 //
 // bfloat16 (AMX). A decode step's linears read every weight for a few rows each: they are
 // bound by how fast the weights stream in, and oneDNN's kernels (brg_matmul on AMX) leave that
@@ -165,8 +166,14 @@ at::Tensor pack_onednn(const at::Tensor& w) {
 
 at::Tensor gemm_onednn(const at::Tensor& packed, const at::Tensor& x) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  return call(op, {x, packed, c10::IValue(), c10::IValue(std::string("none")),
-                   c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()});
+  // the constant arguments made once, and the stack kept by the thread: no allocation a call
+  static const c10::IValue attr{std::string("none")}, scalars{c10::List<std::optional<at::Scalar>>()};
+  static thread_local std::vector<c10::IValue> stack;
+  stack.assign({x, packed, c10::IValue(), attr, scalars, c10::IValue()});
+  op.callBoxed(&stack);
+  at::Tensor y = std::move(stack[0]).toTensor();
+  stack.clear();
+  return y;
 }
 
 // ---------------------------------------------------------------------------- bfloat16: AMX tiles

@@ -19,9 +19,9 @@
 // every start (a SmolLM2 worker's restart 69.8 s against a first start's 73.0 on that machine).
 // Emulated on an Intel Xeon (this library built for x86-64-v3 as AMD's, oneDNN held to AVX2),
 // SmolLM2 float32: a first start 41.7 -> 32.2 s (no freezing; each batch size warmed through its
-// GEMM shapes, not the graph), a restart 38.5 -> 13.2 s; decode steps at 1 sequence 4% slower
-// (about 15 us a linear: the graph's call of a custom op and ours of oneDNN's, against the
-// direct call Inductor makes of a frozen one), at 16 1-2%, at 64 level.
+// GEMM shapes, not the graph), a restart 38.5 -> 13.2 s; decode steps at 1 sequence 4% slower,
+// at 16 1-2%, at 64 level (not found where: the linears timed alone through either call are
+// level, and a compiled graph calls this op in about 3 us, as it calls F.linear).
 //
 // bfloat16 (AMX). A decode step's linears read every weight for a few rows each: they are
 // bound by how fast the weights stream in, and oneDNN's kernels (brg_matmul on AMX) leave that

@@ -315,6 +315,43 @@ def test_packed_gemm_serves_every_row_count(dtype):
     native.gemm_release(handle)
 
 
+def _thp_mode() -> str | None:
+    try:
+        return open("/sys/kernel/mm/transparent_hugepage/enabled").read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _anon_huge_kib() -> int:
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_copies_lie_on_huge_pages(dtype):
+    """A decode step streams every packed weight once, in order; the panels' and the AMX tiles'
+    copies are carved from chunks advised as huge pages (worker/csrc/packed_gemm.cpp,
+    empty_on_huge_pages), which Linux grants on request in its 'madvise' mode: 32 MB packed
+    brings at least 16 MB of them. (MKL's and oneDNN's copies stay on 4 KiB pages.)"""
+    kernel = native.packed_gemm_kernel(dtype)
+    if "vectors" not in kernel and "tiles" not in kernel:
+        pytest.skip(f"{kernel}: not on huge pages")
+    K = 1024 if dtype == torch.float32 else 2048
+    w = torch.randn(8192, K).to(dtype)  # 32 MiB
+    before = _anon_huge_kib()
+    handle = native.gemm_pack(w)
+    try:
+        assert _anon_huge_kib() - before >= 16 * 1024
+        x = torch.randn(3, K).to(dtype)
+        rtol = 1.6e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(torch.ops.tokenq_native.gemm_packed(x, handle), x @ w.T, rtol=rtol, atol=1e-3)
+    finally:
+        native.gemm_release(handle)
+
+
 def test_float32_panels_give_a_row_the_sums_it_gets_alone():
     """float32 rows up to 32 go to the AVX-512 panels on every CPU with AVX-512 (worker/csrc/
     packed_gemm.cpp). Past 12 rows a panel takes several passes, and they go over the keys a

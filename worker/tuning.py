@@ -21,7 +21,8 @@ a common default), the pools ask for them (:func:`zeros_on_huge_pages`). On the 
 machine (float32, SmolLM2's shapes, 30 layers, 64 sequences of 200-350 tokens) the decode
 kernel alone took 8-16% less time (310 tokens: best 54 ms against 60-64); whole decode steps,
 two engines interleaved in one process: 16 sequences 71.6 against 79.9 ms (best of 3), 64
-sequences level (94.8 against 95.2, best of 6), where the step is mostly its GEMMs.
+sequences level (94.8 against 95.2, best of 6), where the step is mostly its GEMMs. The
+packed weights that decode steps stream (worker/csrc/packed_gemm.cpp) lie on huge pages too.
 
 Garbage collection: start-up (loading, compiling the forward) leaves millions of objects
 that live as long as the process, and every full collection walks them all: 0.3-0.4 s on

@@ -134,10 +134,11 @@ constexpr int kPackRows = 64;
 // ahead of it cross a page every 32 lines. So the packed copies are carved, one after the other,
 // from chunks aligned to 2 MiB and advised as huge pages (MADV_HUGEPAGE: where Linux grants
 // them on request, its common default; it refuses the advice where it has none, and the chunks
-// stay on 4 KiB pages). SmolLM2's 30 layers in float32 on the 480 MiB Intel Xeon, 2 threads,
-// ms, weights cold, 4 KiB against huge pages, three rounds alternated: 1 row 21.8, 21.3, 20.8
-// against 14.7, 18.2, 15.9; 16 rows 29.4, 30.6, 30.4 against 23.3, 26.9, 26.5. A chunk is
-// freed with the last copy carved from it.
+// stay on 4 KiB pages). SmolLM2's 30 layers on the 480 MiB Intel Xeon, 2 threads, weights
+// cold, ms, 4 KiB against huge pages, two rounds alternated: float32 1 row 21.6, 21.0 against
+// 15.9, 17.6, 16 rows 30.9, 30.9 against 24.3, 26.3; bf16 (tiles) 1 row 11.1, 11.1 against 9.2,
+// 10.0, 16 rows 12.2, 12.2 against 10.1, 11.3; at 64 rows less. A chunk is freed with the last
+// copy carved from it.
 constexpr size_t kHugePage = size_t(2) << 20;
 constexpr size_t kChunk = size_t(64) << 20;  // (virtual: what is never written is never resident)
 
@@ -168,9 +169,9 @@ at::Tensor pack_mkl(const at::Tensor& w) {
   const int n = int(w.size(0)), k = int(w.size(1));
   const size_t bytes = mkl().get_size(kBMatrix, kPackRows, n, k);
   // The size MKL asks for is about twice the weight plus a few MB; only what it writes (about
-  // the weight's size) becomes resident.
-  // (not on huge pages: MKL writes about half of what it asks for, spread over it, and with
-  // 2 MiB pages all of it became resident; its rows are a prefill's on the CPUs with panels)
+  // the weight's size) becomes resident. Not on huge pages: its writes are spread over the
+  // buffer, and on 2 MiB pages all of it became resident (its rows are a prefill's wherever
+  // the panels serve).
   auto buffer = at::empty({int64_t(bytes / sizeof(float)) + 16}, w.options());
   mkl().pack(kRowMajor, kBMatrix, kTrans, kPackRows, n, k, 1.0f, w.data_ptr<float>(), k, buffer.data_ptr<float>());
   return buffer;

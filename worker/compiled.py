@@ -53,7 +53,7 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import nn
 
-from worker import attention, fastpath, native
+from worker import attention, fastpath, native, tuning
 from worker.models import max_exact_len
 from worker.probe import expected_windows
 
@@ -343,6 +343,8 @@ class CompiledForward:
         if native_attention and native.silu_mul_vectorised():
             silu_mul = torch.ops.tokenq_native.silu_mul
         self.decoder = Decoder(model, max_len, attend, self.packed, silu_mul).eval()
+        if self.packed:
+            tuning.trim_heap()  # the concatenated weights the packed copies were made from
         self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
         # Each decoder is its own graph (its weights frozen into it, or its packed weights'
         # handles constants of it; Dynamo guards on the instance), but all share

@@ -16,6 +16,14 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def thp_mode() -> str | None:
+    """Linux's transparent huge page mode ('always', 'madvise', 'never'; None where it has none)."""
+    try:
+        return open("/sys/kernel/mm/transparent_hugepage/enabled").read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
 class WorkerProcess:
     """A real ``tokenq-worker`` process (python -m worker.main) serving one prefix."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import thp_mode
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
@@ -162,14 +163,6 @@ def test_swap_round_trip_moves_only_the_named_pages():
         assert not c.k[:, p].any() and not c.v[:, p].any()
 
 
-def _thp_mode() -> str | None:
-    try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return None
-    return text.split("[")[1].split("]")[0]
-
-
 def _huge_kib(t: torch.Tensor) -> int:
     """AnonHugePages (kB) of this process's mappings that overlap ``t``'s memory."""
     start = t.data_ptr()
@@ -185,7 +178,7 @@ def _huge_kib(t: torch.Tensor) -> int:
     return total
 
 
-@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
+@pytest.mark.skipif(thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
 def test_cpu_pools_lie_on_huge_pages():
     """Decode attention reads pool pages anywhere in the pool; the pools ask Linux for huge
     pages (worker/tuning.zeros_on_huge_pages), which it grants on request in 'madvise' mode."""
@@ -196,7 +189,7 @@ def test_cpu_pools_lie_on_huge_pages():
         assert _huge_kib(pool) >= 2048
 
 
-@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
+@pytest.mark.skipif(thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
 def test_pools_zeroed_in_the_background_lie_on_huge_pages_too():
     """The engine's pools are zeroed by a thread beside its compile (zero_later)."""
     c = KVCache(num_layers=4, num_pages=2048, page_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32,

@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 from engine_helpers import make_engine
+from helpers import thp_mode
 from tiny import tiny_model
 
 from worker import native
@@ -315,13 +316,6 @@ def test_packed_gemm_serves_every_row_count(dtype):
     native.gemm_release(handle)
 
 
-def _thp_mode() -> str | None:
-    try:
-        return open("/sys/kernel/mm/transparent_hugepage/enabled").read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return None
-
-
 def _anon_huge_kib() -> int:
     for line in open("/proc/self/smaps_rollup"):
         if line.startswith("AnonHugePages:"):
@@ -329,7 +323,7 @@ def _anon_huge_kib() -> int:
     return 0
 
 
-@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
+@pytest.mark.skipif(thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_copies_lie_on_huge_pages(dtype):
     """A decode step streams every packed weight once, in order; the panels' and the AMX tiles'

@@ -421,10 +421,10 @@ class CompiledForward:
 
 
 def packed_linears(model: nn.Module) -> bool:
-    """Whether the decoder's linears go through worker/csrc/packed_gemm.cpp: on a CPU where its
-    kernels beat Inductor's oneDNN packing at decode row counts (bf16: AMX or AVX512-BF16;
-    float32: AVX-512, or an Intel CPU's MKL). Asked only there: anywhere else the question would build the CPU
-    kernels for nothing."""
+    """Whether the decoder's linears go through worker/csrc/packed_gemm.cpp: on a CPU where it
+    has a kernel for them (bf16: AMX or AVX512-BF16, else widened; float32: AVX-512, else MKL's
+    on Intel and oneDNN's on AMD, held by handle rather than frozen into the graph).
+    Asked only there: anywhere else the question would build the CPU kernels for nothing."""
     w = next(model.parameters())
     return w.device.type == "cpu" and w.dtype in COMPILED_DTYPES and native.packed_gemm_preferred(w.dtype)
 

@@ -64,6 +64,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from worker.tuning import freeze_heap, set_openmp_env, tune_process  # noqa: E402
 
 set_openmp_env()  # the same OpenMP settings as the worker, for every system measured here
+import bench_cpu  # noqa: E402
 import torch  # noqa: E402
 
 PROFILE: str | None = None  # --profile: the file where run_engine appends its cProfile summary
@@ -416,6 +417,8 @@ def run_through_redis(redis_url: str, model, model_dir, workload, config: str, *
             stamps: list[list[float]] = [[] for _ in workload]
             keys = {f"{prefix}:result:{rid}": i for i, rid in enumerate(ids)}
             last = {k: "0" for k in keys}
+            pids = _local_pids(r, redis_url, stop.pid)
+            cpu0 = bench_cpu.snapshot(pids)
             with progress.bar(f"{config} redis", sum(o for _, o in workload)) as bar:
                 t0 = time.perf_counter()
                 pipe = r.pipeline(transaction=False)
@@ -439,12 +442,34 @@ def run_through_redis(redis_url: str, model, model_dir, workload, config: str, *
                                 if typ == "error":
                                     raise RuntimeError(f"{key}: {fields}")
                                 del last[key]
-            return Result.from_stamps("redis", config, t0, stamps, note="producer -> worker process -> result streams")
+            wall = time.perf_counter() - t0
+            threads = bench_cpu.threads_used(cpu0, bench_cpu.snapshot(pids), pids, wall)
+            print(f"  {config} redis, CPU per thread (share of a core): {bench_cpu.line(threads)}", file=sys.stderr,
+                  flush=True)
+            return Result.from_stamps("redis", config, t0, stamps, note="producer -> worker process -> result streams",
+                                      extra={"threads": threads})
         finally:
             stop()
             keys_left = list(r.scan_iter(match=f"{prefix}:*", count=1000))
             if keys_left:
                 r.delete(*keys_left)
+
+
+def _local_pids(r, redis_url: str, worker_pid: int) -> dict[str, int]:
+    """The processes a through-Redis run keeps busy here (bench_cpu): the worker, redis-server
+    when it runs on this machine, and this process (the reading client)."""
+    from urllib.parse import urlparse
+
+    pids = {"worker": worker_pid}
+    if urlparse(redis_url).hostname in ("localhost", "127.0.0.1", "::1"):
+        pid = int(r.info("server")["process_id"])
+        try:  # a server in a container reports its own namespace's pid: only ours if it is redis here
+            if Path(f"/proc/{pid}/comm").read_text().startswith("redis"):
+                pids["redis-server"] = pid
+        except OSError:
+            pass
+    pids["client"] = os.getpid()
+    return pids
 
 
 def _start_worker(redis_url, prefix, model_dir, device, dtype, workload, max_num_seqs, max_num_batched_tokens, page_size,
@@ -482,6 +507,7 @@ def _start_worker(redis_url, prefix, model_dir, device, dtype, workload, max_num
         except subprocess.TimeoutExpired:
             proc.kill()
 
+    stop.pid = proc.pid
     return stop
 
 

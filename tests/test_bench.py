@@ -86,3 +86,43 @@ def test_the_memory_read_outsizes_the_cpus_caches():
     assert last_level_cache_bytes() == max(sizes)
     assert read_mbytes("cpu") * 2**20 >= 4 * max(sizes)
     assert read_mbytes("cuda") == 256
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread CPU time comes from Linux's /proc")
+def test_the_cpu_lines_find_a_busy_thread():
+    """bench_cpu (the through-Redis run's CPU per thread) sees a thread that kept a core busy
+    as that, tells it from the process's main thread, and leaves out a process that is gone."""
+    import os
+    import threading
+    import time
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_cpu import line, snapshot, threads_used
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    pids = {"me": os.getpid(), "gone": dead.pid}
+    before = snapshot(pids)
+    assert before and all(label == "me" for label, _ in before)
+    ident: list[int] = []
+    spun, done = threading.Event(), threading.Event()
+
+    def spin() -> None:  # a core's worth for 0.4 s of this thread's own CPU time, then alive until told
+        ident.append(threading.get_native_id())
+        end = time.thread_time() + 0.4
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        done.wait()
+
+    t0 = time.perf_counter()
+    worker = threading.Thread(target=spin)
+    worker.start()
+    spun.wait()
+    rows = threads_used(before, snapshot(pids), pids, time.perf_counter() - t0)
+    done.set()
+    worker.join()
+    busy = [r for r in rows if r["tid"] == ident[0]]
+    assert busy and busy[0]["thread"] == "thread" and busy[0]["core_share"] >= 0.5, rows
+    assert all(r["process"] == "me" for r in rows)
+    assert "me thread" in line(rows)

@@ -375,4 +375,7 @@ def test_the_first_step_at_the_token_budget_finds_its_buffers_in_place(llama32):
         engine.step()
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         drive(engine)
-    assert faults[0] <= faults[1] + 100, faults
+    # Without the warm-up this first step takes about 1,300 faults (the budget's buffers) and the
+    # second none. The slack is for the interpreter's own allocations, which vary with what ran
+    # before in the process: a CI run saw 129 against 3 (an arena of Python objects is 256 pages).
+    assert faults[0] <= faults[1] + 400, faults

@@ -202,7 +202,7 @@ def test_engines_on_one_model_share_the_graph(llama32):
 def test_linears_run_through_packed_weights_freed_with_the_graph(dtype):
     """On CPU the decoder's four linears a layer go through worker/csrc/packed_gemm.cpp where
     asked, by default where its kernel is the faster one (float32: AVX-512, then MKL on Intel
-    CPUs or oneDNN on AMD ones; bf16: AMX tiles or AVX512-BF16, else widened to float32); the packed copies are released with the decoder that made them, and its products
+    CPUs or oneDNN on AMD ones, MKL past a decode step's rows there; bf16: AMX tiles or AVX512-BF16, else widened to float32); the packed copies are released with the decoder that made them, and its products
     are the eager model's."""
     from worker import native
 
@@ -216,7 +216,7 @@ def test_linears_run_through_packed_weights_freed_with_the_graph(dtype):
     layer = fwd.decoder.layers[0]
     handles = [h for L in fwd.decoder.layers for h in L.handles()]
     assert fwd.packed and len(handles) == 4 * len(fwd.decoder.layers) and layer.qkv_w is None
-    f32 = (native.MKL, "oneDNN",  # without AVX-512: Intel, AMD
+    f32 = (native.MKL, "oneDNN (MKL's packed SGEMM past 192 rows)",  # without AVX-512: Intel, AMD
            "AVX-512 vectors (oneDNN past 32 rows)", "AVX-512 vectors (oneDNN past 128 rows)",  # Zen 4, Zen 5
            "AVX-512 vectors (MKL's packed SGEMM past 128 rows)")
     kernels = {torch.bfloat16: ("AMX tiles (oneDNN past 128 rows)", "AVX512-BF16 vectors (oneDNN past 64 rows)",

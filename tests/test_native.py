@@ -277,6 +277,7 @@ def test_a_process_with_another_path_loads_the_build_without_rebuilding():
 def test_packed_gemm_serves_every_row_count(dtype):
     """worker/csrc/packed_gemm.cpp packs a weight once (float32: in panels for AVX-512 up to 128
     rows on Intel, 32 on AMD Zen 4, 128 on Zen 5, and for MKL (told 64 rows) or oneDNN past them;
+    without AVX-512 for MKL alone on Intel, on AMD for oneDNN up to 192 rows and MKL past them;
     bf16: in AMX tiles up to 128 rows, or without AMX in key pairs for AVX512-BF16 up to 64 (Zen
     5: 128), and for oneDNN past them; with neither, widened to float32 for the float32 kernels);
     the compiled forward runs it at every step's row count, so each must give x @ w.T as closely
@@ -289,7 +290,7 @@ def test_packed_gemm_serves_every_row_count(dtype):
         w = torch.randn(N, K, generator=gen).to(dtype)
         handle = native.gemm_pack(w)
         try:
-            for M in (0, 1, 2, 7, 16, 17, 24, 25, 32, 33, 63, 64, 65, 128, 129, 300, 2048):
+            for M in (0, 1, 2, 7, 16, 17, 24, 25, 32, 33, 63, 64, 65, 128, 129, 192, 193, 300, 2048):
                 x = torch.randn(M, K, generator=gen).to(dtype)
                 y = torch.ops.tokenq_native.gemm_packed(x, handle)
                 want = x.double() @ w.double().T

@@ -325,7 +325,8 @@ _EMPTY_LONG = torch.empty(0, dtype=torch.long)
 def packed_gemm_usable(dtype: torch.dtype) -> bool:
     """Whether linears in ``dtype`` can run through weights packed here (worker/csrc/packed_gemm.cpp):
     float32 through AVX-512 vector panels at a decode step's fewest rows and MKL's packed SGEMM
-    (Intel) or oneDNN (AMD) past them, or without AVX-512 MKL's alone (Intel) or oneDNN's (AMD),
+    (Intel) or oneDNN (AMD) past them, or without AVX-512 MKL's alone (Intel) or oneDNN's at
+    decode rows and MKL's at prefill rows (AMD),
     bf16 on AMX tiles (a CPU with AMX) or AVX512-BF16 dot products (one without), or with
     neither widened to float32 for the float32 kernels."""
     return load_linears() is not None and bool(_ops.gemm_supported(dtype))
@@ -355,7 +356,8 @@ def packed_gemm_preferred(dtype: torch.dtype) -> bool:
     decode row counts (SmolLM2's shapes, 2 threads) MKL beat oneDNN's packed linears on an Intel
     Xeon (AVX-512: decode steps 6-15% faster) and lost on an AMD EPYC (AVX2: decode steps at 64 /
     16 / 1 sequences 220 / 114 / 63 ms against oneDNN's 193 / 76 / 39; MKL's kernels there ran no
-    faster than its unpacked SGEMM), where oneDNN's packed copy serves instead: the same kernels
+    faster than its unpacked SGEMM), where oneDNN's packed copy serves instead (and MKL's past
+    192 rows, where it is 3-12% faster there: worker/csrc/packed_gemm.cpp): the same kernels
     as Inductor's frozen linears, but named by handle, so a restart finds the graph in Inductor's
     cache instead of compiling it again (a frozen graph names its weights' addresses)."""
     return dtype in (torch.float32, torch.bfloat16) and packed_gemm_usable(dtype)  # the library picks the kernel

@@ -1,8 +1,9 @@
 // Linears through weights packed once, for the compiled forward (worker/compiled.py): float32
 // through AVX-512 vector panels at a decode step's fewest rows and, past them, MKL's packed
-// SGEMM (Intel) or oneDNN's (AMD), bfloat16 at decode row counts through AMX tile products, or
-// where there is no AMX through AVX512-BF16 dot products (gemm_panels, below), and where there is
-// neither, widened to float32 for the float32 kernels (widens, below).
+// SGEMM (Intel) or oneDNN's (AMD; without AVX-512, MKL's past a decode step's rows), bfloat16
+// at decode row counts through AMX tile products, or where there is no AMX through AVX512-BF16
+// dot products (gemm_panels, below), and where there is neither, widened to float32 for the
+// float32 kernels (widens, below).
 //
 // float32. Inductor packs a frozen float32 linear for oneDNN when the token dimension is
 // dynamic (it uses MKL's packed SGEMM only for a fixed row count). At the row counts of decode
@@ -12,9 +13,12 @@
 // exports its CBLAS packing API; the symbols are looked up when the library loads, so a torch
 // built without MKL (another architecture) loads these ops and uses oneDNN's alone.
 //
-// float32 without AVX-512 on AMD (an AVX2 EPYC): MKL's packed kernels lost to oneDNN's there
-// (decode steps at 64 / 16 / 1 sequences 220 / 114 / 63 ms against 193 / 76 / 39), so every row
-// count goes to oneDNN's packed copy, the one Inductor would make. Through a handle rather than
+// float32 without AVX-512 on AMD (an AVX2 EPYC): MKL's packed kernels lost to oneDNN's there at
+// decode rows (decode steps at 64 / 16 / 1 sequences 220 / 114 / 63 ms against 193 / 76 / 39), so
+// those go to oneDNN's packed copy, the one Inductor would make; past kOnednnRowsAvx2 rows (prefill
+// chunks) MKL's is the faster one (a layer's four linears, 2 threads, MKL's time over oneDNN's:
+// small 1.10 at 64 rows, 1.00 at 192, 0.94 at 256, 0.88 at 1,024 and 2,048; SmolLM2 1.05, 1.00,
+// 0.97, 0.92, 0.91), so those rows go to MKL's copy of the weight. Through a handle rather than
 // frozen into the graph: a frozen graph names its weights' addresses and was compiled again at
 // every start (a SmolLM2 worker's restart 69.8 s against a first start's 73.0 on that machine).
 // Emulated on an Intel Xeon (this library built for x86-64-v3 as AMD's, oneDNN held to AVX2),
@@ -126,6 +130,8 @@ int64_t keep(Packed p) {
 // The row count MKL is told at packing time: the packed B it returns serves any row count (a
 // test checks 1 to 2048 rows against F.linear); 64 is a decode step's. oneDNN takes it as a hint.
 constexpr int kPackRows = 64;
+// AMD without AVX-512: the most rows a step sends to oneDNN's copy; more go to MKL's (above)
+constexpr int64_t kOnednnRowsAvx2 = 192;
 
 // ---------------------------------------------------------------------------- packed copies on huge pages
 
@@ -537,14 +543,19 @@ bool zen5() {
   return is;
 }
 
+// AMD's float32 without the panels (an AVX2 EPYC): oneDNN's decode rows, MKL's prefill rows
+bool amd_split(at::ScalarType dtype) { return dtype == at::kFloat && amd() && mkl().ok() && !panels_usable(dtype); }
+
 // The kernel of the rows past `kernel`'s
 Kernel past_for(Kernel kernel, at::ScalarType dtype) {
+  if (kernel == Kernel::onednn) return amd_split(dtype) ? Kernel::mkl : Kernel::onednn;
   return kernel == Kernel::panels && dtype == at::kFloat && f32_mkl() ? Kernel::mkl : Kernel::onednn;
 }
 
 // The kernel a weight of this dtype is packed for here: bf16 on AMX tiles, else on panels;
-// float32 on panels (AVX-512), else MKL's on Intel and oneDNN's on AMD. A shape the panels
-// cannot take goes to the kernel of the rows past theirs: MKL's on Intel, oneDNN's on AMD.
+// float32 on panels (AVX-512), else MKL's on Intel and oneDNN's on AMD (MKL's past
+// kOnednnRowsAvx2 rows). A shape the panels cannot take goes to the kernel of the rows past
+// theirs: MKL's on Intel, oneDNN's on AMD.
 Kernel kernel_for(at::ScalarType dtype, int64_t n, int64_t k) {
   if (dtype == at::kBFloat16 && tiles_usable()) return tiles_fit(n, k) ? Kernel::tiles : Kernel::onednn;
   if (panels_usable(dtype)) return n % 32 == 0 && k % 2 == 0 ? Kernel::panels : past_for(Kernel::panels, dtype);
@@ -556,6 +567,7 @@ int64_t kernel_rows(Kernel kernel, at::ScalarType dtype) {
   switch (kernel) {
     case Kernel::mkl: return std::numeric_limits<int64_t>::max();
     case Kernel::tiles: return kTileRows;
+    case Kernel::onednn: return amd_split(dtype) ? kOnednnRowsAvx2 : -1;
 #if defined(__AVX512F__)
     case Kernel::panels:
       if (zen5()) return kPanelRowsZen5;
@@ -589,6 +601,7 @@ std::string gemm_kernel(at::ScalarType dtype) {
                                 std::to_string(kernel_rows(kernel, dtype)) + " rows)";
   switch (kernel) {
     case Kernel::mkl: return "MKL's packed SGEMM";
+    case Kernel::onednn: return past == Kernel::mkl ? "oneDNN" + past_rows : "oneDNN";
     case Kernel::tiles: return "AMX tiles" + past_rows;
     case Kernel::panels: return std::string(dtype == at::kBFloat16 ? "AVX512-BF16" : "AVX-512") + " vectors" + past_rows;
     default: return "oneDNN";
@@ -607,6 +620,7 @@ int64_t gemm_pack(const at::Tensor& w) {
   if (p.kernel != Kernel::mkl) p.past_buffer = p.past == Kernel::mkl ? pack_mkl(wc) : pack_onednn(wc);
   switch (p.kernel) {
     case Kernel::mkl: p.buffer = pack_mkl(wc); break;
+    case Kernel::onednn: if (p.past != Kernel::onednn) p.buffer = pack_onednn(wc); break;
 #if defined(TOKENQ_AMX)
     case Kernel::tiles: p.buffer = pack_tiles(wc); break;
 #endif
@@ -634,6 +648,7 @@ at::Tensor gemm_packed(const at::Tensor& x, int64_t handle) {
   const int64_t m = xc.size(0);
   const bool past = m > kernel_rows(p.kernel, p.dtype);
   if (past && p.past == Kernel::onednn) return gemm_onednn(p.past_buffer, xc).to(p.io);
+  if (!past && p.kernel == Kernel::onednn) return gemm_onednn(p.buffer, xc).to(p.io);
   auto y = at::empty({m, p.n}, xc.options());
   if (m == 0) return y.to(p.io);
   switch (past ? p.past : p.kernel) {

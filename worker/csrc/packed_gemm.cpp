@@ -647,12 +647,13 @@ at::Tensor gemm_packed(const at::Tensor& x, int64_t handle) {
   const auto xc = x.to(p.dtype).contiguous();  // widened (bf16 -> float32), else x itself
   const int64_t m = xc.size(0);
   const bool past = m > kernel_rows(p.kernel, p.dtype);
-  if (past && p.past == Kernel::onednn) return gemm_onednn(p.past_buffer, xc).to(p.io);
-  if (!past && p.kernel == Kernel::onednn) return gemm_onednn(p.buffer, xc).to(p.io);
+  const Kernel kernel = past ? p.past : p.kernel;
+  const at::Tensor& buffer = past ? p.past_buffer : p.buffer;  // the copy `kernel` reads
+  if (kernel == Kernel::onednn) return gemm_onednn(buffer, xc).to(p.io);
   auto y = at::empty({m, p.n}, xc.options());
   if (m == 0) return y.to(p.io);
-  switch (past ? p.past : p.kernel) {
-    case Kernel::mkl: gemm_mkl(p, past ? p.past_buffer : p.buffer, xc, y); break;
+  switch (kernel) {
+    case Kernel::mkl: gemm_mkl(p, buffer, xc, y); break;
 #if defined(TOKENQ_AMX)
     case Kernel::tiles: gemm_tiles(p, xc, y); break;
 #endif

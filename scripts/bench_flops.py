@@ -35,7 +35,10 @@ def gemm_peak(dtype: torch.dtype, device: str = "cpu", seconds: float = 1.5) -> 
     and ``F.linear`` (MKL's SGEMM in float32), in the dtype the fast path packs ``dtype`` weights
     in, else ``F.linear``; the best of several timed rounds (the machine is shared). Both
     libraries count: on an AVX2 EPYC MKL's SGEMM ran this shape at 180 GFLOP/s where oneDNN's
-    reached 150, and the engine sends a prefill's rows to MKL there (worker/csrc/packed_gemm.cpp)."""
+    reached 150, and the engine sends a prefill's rows to MKL there (worker/csrc/packed_gemm.cpp).
+    bf16 counts float32's too: on an Intel Xeon with AVX512-BF16 and no AMX bf16 ran this shape
+    at 155-169 GFLOP/s and float32 at 255-319, and the engine widens bf16 past a decode step's
+    fewest rows there."""
     from worker.fastpath import pack_dtype
 
     M, K, N = PEAK_SHAPE
@@ -50,6 +53,9 @@ def gemm_peak(dtype: torch.dtype, device: str = "cpu", seconds: float = 1.5) -> 
         xp, wl = x.to(pack), w.to(pack)
         candidates["oneDNN prepacked" + as_] = lambda: torch.ops.mkldnn._linear_pointwise(xp, wp, None, "none", [], "")
         candidates["F.linear" + as_] = lambda: F.linear(xp, wl)
+        if pack == torch.bfloat16 and dev.type == "cpu":  # where bf16 runs at half float32's rate the engine widens it
+            x32, w32 = x.float(), w.float()
+            candidates["F.linear as torch.float32"] = lambda: F.linear(x32, w32)
     else:
         candidates["F.linear"] = lambda: F.linear(x, w)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

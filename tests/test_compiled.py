@@ -202,7 +202,8 @@ def test_engines_on_one_model_share_the_graph(llama32):
 def test_linears_run_through_packed_weights_freed_with_the_graph(dtype):
     """On CPU the decoder's four linears a layer go through worker/csrc/packed_gemm.cpp where
     asked, by default where its kernel is the faster one (float32: AVX-512, then MKL on Intel
-    CPUs or oneDNN on AMD ones, MKL past a decode step's rows there; bf16: AMX tiles or AVX512-BF16, else widened to float32); the packed copies are released with the decoder that made them, and its products
+    CPUs or oneDNN on AMD ones, MKL past a decode step's rows there; bf16: AMX tiles or AVX512-BF16 (on
+    Intel past 12 rows widened to float32), else widened to float32); the packed copies are released with the decoder that made them, and its products
     are the eager model's."""
     from worker import native
 
@@ -220,13 +221,14 @@ def test_linears_run_through_packed_weights_freed_with_the_graph(dtype):
            "AVX-512 vectors (oneDNN past 32 rows)", "AVX-512 vectors (oneDNN past 128 rows)",  # Zen 4, Zen 5
            "AVX-512 vectors (MKL's packed SGEMM past 128 rows)")
     kernels = {torch.bfloat16: ("AMX tiles (oneDNN past 128 rows)", "AVX512-BF16 vectors (oneDNN past 64 rows)",
-                                "AVX512-BF16 vectors (oneDNN past 128 rows)",
+                                "AVX512-BF16 vectors (oneDNN past 128 rows)",  # Zen 4, Zen 5
+                                f"AVX512-BF16 vectors (past 12 rows widened to float32: {f32[-1]})",  # Intel, no AMX
                                 *(f"{native.WIDENED}: {k}" for k in f32)),
                torch.float32: f32}[dtype]
     assert fwd.linears() in kernels
     assert fwd.onednn == ("oneDNN" in fwd.linears())  # rows past the kernel's go to oneDNN: padded
     at = model.model.layers[0].self_attn
-    for rows in (5, 200):  # the packed kernel, then the one past its rows
+    for rows in (5, 64, 200):  # the packed kernel, then those past its rows
         x = torch.randn(rows, model.config.hidden_size).to(dtype)
         want = torch.cat([at.q_proj(x), at.k_proj(x), at.v_proj(x)], -1)
         tol = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)

@@ -279,7 +279,8 @@ def test_packed_gemm_serves_every_row_count(dtype):
     rows on Intel, 32 on AMD Zen 4, 128 on Zen 5, and for MKL (told 64 rows) or oneDNN past them;
     without AVX-512 for MKL alone on Intel, on AMD for oneDNN up to 192 rows and MKL past them;
     bf16: in AMX tiles up to 128 rows, or without AMX in key pairs for AVX512-BF16 up to 64 (Zen
-    5: 128), and for oneDNN past them; with neither, widened to float32 for the float32 kernels);
+    5: 128), and for oneDNN past them (Intel: up to 12, and past them widened to float32 for the
+    float32 kernels); with neither, widened to float32 for the float32 kernels);
     the compiled forward runs it at every step's row count, so each must give x @ w.T as closely
     as F.linear does. Shapes whose sizes are not multiples of 32 (bf16: oneDNN's alone) are
     served too."""
@@ -290,7 +291,7 @@ def test_packed_gemm_serves_every_row_count(dtype):
         w = torch.randn(N, K, generator=gen).to(dtype)
         handle = native.gemm_pack(w)
         try:
-            for M in (0, 1, 2, 7, 16, 17, 24, 25, 32, 33, 63, 64, 65, 128, 129, 192, 193, 300, 2048):
+            for M in (0, 1, 2, 7, 12, 13, 16, 17, 24, 25, 32, 33, 63, 64, 65, 128, 129, 192, 193, 300, 2048):
                 x = torch.randn(M, K, generator=gen).to(dtype)
                 y = torch.ops.tokenq_native.gemm_packed(x, handle)
                 want = x.double() @ w.double().T

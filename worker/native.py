@@ -327,8 +327,9 @@ def packed_gemm_usable(dtype: torch.dtype) -> bool:
     float32 through AVX-512 vector panels at a decode step's fewest rows and MKL's packed SGEMM
     (Intel) or oneDNN (AMD) past them, or without AVX-512 MKL's alone (Intel) or oneDNN's at
     decode rows and MKL's at prefill rows (AMD),
-    bf16 on AMX tiles (a CPU with AMX) or AVX512-BF16 dot products (one without), or with
-    neither widened to float32 for the float32 kernels."""
+    bf16 on AMX tiles (a CPU with AMX) or AVX512-BF16 dot products (one without; on Intel only
+    a decode step's fewest rows, more widened to float32, where those products run at half
+    float32's rate), or with neither widened to float32 for the float32 kernels."""
     return load_linears() is not None and bool(_ops.gemm_supported(dtype))
 
 

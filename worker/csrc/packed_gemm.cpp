@@ -2,7 +2,8 @@
 // through AVX-512 vector panels at a decode step's fewest rows and, past them, MKL's packed
 // SGEMM (Intel) or oneDNN's (AMD; without AVX-512, MKL's past a decode step's rows), bfloat16
 // at decode row counts through AMX tile products, or where there is no AMX through AVX512-BF16
-// dot products (gemm_panels, below), and where there is neither, widened to float32 for the
+// dot products (gemm_panels, below; on Intel only a decode step's fewest rows, more through a
+// float32 copy: bf16_half_rate, below), and where there is neither, widened to float32 for the
 // float32 kernels (widens, below).
 //
 // float32. Inductor packs a frozen float32 linear for oneDNN when the token dimension is
@@ -99,7 +100,7 @@ const Mkl& mkl() {
 }
 
 struct Packed {
-  enum class Kernel { onednn, mkl, tiles, panels };
+  enum class Kernel { onednn, mkl, tiles, panels, widened };
   int64_t n, k;
   at::ScalarType dtype;            // what the kernels multiply: float32 for a widened bf16 weight
   at::ScalarType io;               // what x and y are (dtype, or bf16 widened: see widens)
@@ -107,6 +108,7 @@ struct Packed {
   at::Tensor buffer;               // the weight as `kernel` reads it (MKL's packed B, AMX tiles, panels)
   Kernel past = Kernel::onednn;    // rows past them (all when kernel is oneDNN's; none for MKL's)
   at::Tensor past_buffer;          // the weight as `past` reads it: oneDNN's or MKL's packed copy
+  std::shared_ptr<const Packed> wide;  // Kernel::widened's: the weight widened to float32, packed as float32's
 };
 
 std::mutex registry_lock;
@@ -366,6 +368,9 @@ constexpr int64_t kPanelRows = 64, kPanelRowsF32 = 32, kPanelRowsMkl = 128;
 // bf16: 64 rows 16.9 / 20.5, 96 rows 22.6 / 26.9, 128 rows 30.4 / 33.3; small's twelve layers
 // level from 64 rows on, within 2% to 128 in both dtypes).
 constexpr int64_t kPanelRowsZen5 = 128;
+// bf16 where its products run at half float32's rate (bf16_half_rate, below): the rows the bf16
+// panels keep; more go to the weight's float32 copy
+constexpr int64_t kPanelRowsHalfRate = 12;
 // Rows a pass, at most: 2 x 12 accumulators + 2 weight vectors + 1 broadcast. The rows are spread
 // evenly over the passes (13 rows as 7 + 6, not 12 + 1): a pass of one to three rows has too few
 // accumulators to hide the products' latency, and cost as much as a full one. AMD EPYC, 2 threads,
@@ -546,9 +551,20 @@ bool zen5() {
 // AMD's float32 without the panels (an AVX2 EPYC): oneDNN's decode rows, MKL's prefill rows
 bool amd_split(at::ScalarType dtype) { return dtype == at::kFloat && amd() && mkl().ok() && !panels_usable(dtype); }
 
+// An Intel CPU with AVX512-BF16 but no AMX (measured on an Emerald Rapids Xeon whose host does
+// not expose AMX: family 6 model 207, 2 cores): there VDPBF16PS multiplies at half the float32
+// FMAs' rate. 2 threads, GFLOP/s, SmolLM2's four shapes at 2,048 rows: bf16 159 (oneDNN's 162)
+// against float32's 280 (MKL); ms for the 30 layers, bf16 panels against float32 panels on the
+// same weights: 1 row 10.5 / 19.9, 8 rows 15.5 / 22.0, 12 rows 21.6 / 24.3, 16 rows 25.7 / 23.3,
+// 32 rows 48.0 / 39.1, 64 rows 97.5 / 60.6. So the bf16 panels keep a decode step's fewest
+// rows, where reading half the bytes wins, and more rows go to a float32 copy of the weight
+// (its own panels, then MKL's), x widened and y rounded back as where bf16 widens (below).
+bool bf16_half_rate() { return !amd() && !tiles_usable() && panels_usable(at::kBFloat16) && f32_mkl(); }
+
 // The kernel of the rows past `kernel`'s
 Kernel past_for(Kernel kernel, at::ScalarType dtype) {
   if (kernel == Kernel::onednn) return amd_split(dtype) ? Kernel::mkl : Kernel::onednn;
+  if (dtype == at::kBFloat16 && bf16_half_rate()) return Kernel::widened;
   return kernel == Kernel::panels && dtype == at::kFloat && f32_mkl() ? Kernel::mkl : Kernel::onednn;
 }
 
@@ -571,6 +587,7 @@ int64_t kernel_rows(Kernel kernel, at::ScalarType dtype) {
 #if defined(__AVX512F__)
     case Kernel::panels:
       if (zen5()) return kPanelRowsZen5;
+      if (dtype == at::kBFloat16 && bf16_half_rate()) return kPanelRowsHalfRate;
       return dtype == at::kBFloat16 ? kPanelRows : f32_mkl() ? kPanelRowsMkl : kPanelRowsF32;
 #endif
     default: return -1;
@@ -597,8 +614,11 @@ std::string gemm_kernel(at::ScalarType dtype) {
   if (!gemm_supported(dtype)) return "none";
   if (widens(dtype)) return "bf16 widened to float32: " + gemm_kernel(at::kFloat);  // native.WIDENED
   const Kernel kernel = kernel_for(dtype, 32, 32), past = past_for(kernel, dtype);
-  const std::string past_rows = std::string(past == Kernel::mkl ? " (MKL's packed SGEMM past " : " (oneDNN past ") +
-                                std::to_string(kernel_rows(kernel, dtype)) + " rows)";
+  const std::string rows = std::to_string(kernel_rows(kernel, dtype)) + " rows";
+  const std::string past_rows = past == Kernel::widened
+                                    ? " (past " + rows + " widened to float32: " + gemm_kernel(at::kFloat) + ")"
+                                : past == Kernel::mkl ? " (MKL's packed SGEMM past " + rows + ")"
+                                                      : " (oneDNN past " + rows + ")";
   switch (kernel) {
     case Kernel::mkl: return "MKL's packed SGEMM";
     case Kernel::onednn: return past == Kernel::mkl ? "oneDNN" + past_rows : "oneDNN";
@@ -608,16 +628,17 @@ std::string gemm_kernel(at::ScalarType dtype) {
   }
 }
 
-// w [N, K] (float32 or bf16) -> a handle to its packed copies
-int64_t gemm_pack(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "gemm_pack: a 2-D CPU weight");
-  TORCH_CHECK(gemm_supported(w.scalar_type()), "gemm_pack: no packed kernel for ", w.scalar_type(), " here");
-  auto wc = widens(w.scalar_type()) ? w.to(at::kFloat).contiguous() : w.contiguous();
+// w [N, K] -> its packed copies for the kernels that serve it here (widen: as float32)
+Packed pack(const at::Tensor& w, bool widen) {
+  auto wc = widen ? w.to(at::kFloat).contiguous() : w.contiguous();
   Packed p{};
   p.n = wc.size(0), p.k = wc.size(1), p.dtype = wc.scalar_type(), p.io = w.scalar_type();
   p.kernel = kernel_for(p.dtype, p.n, p.k);
   p.past = past_for(p.kernel, p.dtype);
-  if (p.kernel != Kernel::mkl) p.past_buffer = p.past == Kernel::mkl ? pack_mkl(wc) : pack_onednn(wc);
+  if (p.kernel == Kernel::widened || p.past == Kernel::widened)
+    p.wide = std::make_shared<const Packed>(pack(w, true));
+  else if (p.kernel != Kernel::mkl)
+    p.past_buffer = p.past == Kernel::mkl ? pack_mkl(wc) : pack_onednn(wc);
   switch (p.kernel) {
     case Kernel::mkl: p.buffer = pack_mkl(wc); break;
     case Kernel::onednn: if (p.past != Kernel::onednn) p.buffer = pack_onednn(wc); break;
@@ -631,7 +652,14 @@ int64_t gemm_pack(const at::Tensor& w) {
 #endif
     default: break;
   }
-  return keep(std::move(p));
+  return p;
+}
+
+// w [N, K] (float32 or bf16) -> a handle to its packed copies
+int64_t gemm_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "gemm_pack: a 2-D CPU weight");
+  TORCH_CHECK(gemm_supported(w.scalar_type()), "gemm_pack: no packed kernel for ", w.scalar_type(), " here");
+  return keep(pack(w, widens(w.scalar_type())));
 }
 
 void gemm_release(int64_t handle) {
@@ -639,16 +667,14 @@ void gemm_release(int64_t handle) {
   registry.erase(handle);
 }
 
-// x [M, K] -> x @ w.T [M, N]
-at::Tensor gemm_packed(const at::Tensor& x, int64_t handle) {
-  const Packed p = lookup(handle);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k && x.scalar_type() == p.io, "gemm_packed: x must be [M, ", p.k, "] ",
-              p.io);
-  const auto xc = x.to(p.dtype).contiguous();  // widened (bf16 -> float32), else x itself
-  const int64_t m = xc.size(0);
+// x [M, K] -> x @ w.T [M, N] through p's kernel for M rows
+at::Tensor multiply(const Packed& p, const at::Tensor& x) {
+  const int64_t m = x.size(0);
   const bool past = m > kernel_rows(p.kernel, p.dtype);
   const Kernel kernel = past ? p.past : p.kernel;
+  if (kernel == Kernel::widened) return multiply(*p.wide, x);
   const at::Tensor& buffer = past ? p.past_buffer : p.buffer;  // the copy `kernel` reads
+  const auto xc = x.to(p.dtype).contiguous();                  // widened (bf16 -> float32), else x itself
   if (kernel == Kernel::onednn) return gemm_onednn(buffer, xc).to(p.io);
   auto y = at::empty({m, p.n}, xc.options());
   if (m == 0) return y.to(p.io);
@@ -663,6 +689,13 @@ at::Tensor gemm_packed(const at::Tensor& x, int64_t handle) {
     default: break;
   }
   return y.to(p.io);  // rounded to bf16 (nearest even) where widened
+}
+
+at::Tensor gemm_packed(const at::Tensor& x, int64_t handle) {
+  const Packed p = lookup(handle);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k && x.scalar_type() == p.io, "gemm_packed: x must be [M, ", p.k, "] ",
+              p.io);
+  return multiply(p, x);
 }
 
 at::Tensor gemm_packed_meta(const at::Tensor& x, int64_t handle) {

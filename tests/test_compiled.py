@@ -217,7 +217,7 @@ def test_linears_run_through_packed_weights_freed_with_the_graph(dtype):
     layer = fwd.decoder.layers[0]
     handles = [h for L in fwd.decoder.layers for h in L.handles()]
     assert fwd.packed and len(handles) == 4 * len(fwd.decoder.layers) and layer.qkv_w is None
-    f32 = (native.MKL, "oneDNN (MKL's packed SGEMM past 192 rows)",  # without AVX-512: Intel, AMD
+    f32 = (native.MKL, "AVX2 vectors (MKL's packed SGEMM past 192 rows)",  # without AVX-512 (or AVX2)
            "AVX-512 vectors (oneDNN past 32 rows)", "AVX-512 vectors (oneDNN past 128 rows)",  # Zen 4, Zen 5
            "AVX-512 vectors (MKL's packed SGEMM past 128 rows)")
     kernels = {torch.bfloat16: ("AMX tiles (oneDNN past 128 rows)", "AVX512-BF16 vectors (oneDNN past 64 rows)",

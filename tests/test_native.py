@@ -71,7 +71,7 @@ def _case(dtype, D, kvh, g, seed, n=12, ps=16, pages=300):
 # 48: read at run time; (128, 1, 4): more query heads than the vector path holds on registers at once
 @pytest.mark.parametrize("D,kvh,g", [(64, 3, 3), (128, 2, 1), (32, 1, 4), (256, 1, 2), (48, 2, 2), (128, 1, 4)])
 @pytest.mark.parametrize("extra", ["plain", "window", "softcap", "sinks"])
-# 12 sequences (at two threads): on AMD's AVX-512 path, a work item a sequence (its kv heads page
+# 12 sequences (at two threads): on AMD's vector paths, a work item a sequence (its kv heads page
 # by page); 3: an item a kv head (too few sequences to share between the threads item by item)
 @pytest.mark.parametrize("n", [12, 3])
 def test_kernel_matches_dense_attention(dtype, D, kvh, g, extra, n):
@@ -277,7 +277,7 @@ def test_a_process_with_another_path_loads_the_build_without_rebuilding():
 def test_packed_gemm_serves_every_row_count(dtype):
     """worker/csrc/packed_gemm.cpp packs a weight once (float32: in panels for AVX-512 up to 128
     rows on Intel, 32 on AMD Zen 4, 128 on Zen 5, and for MKL (told 64 rows) or oneDNN past them;
-    without AVX-512 for MKL alone on Intel, on AMD for oneDNN up to 192 rows and MKL past them;
+    without AVX-512 in panels for AVX2 up to 192 rows and for MKL past them;
     bf16: in AMX tiles up to 128 rows, or without AMX in key pairs for AVX512-BF16 up to 64 (Zen
     5: 128), and for oneDNN past them (Intel: up to 12, and past them widened to float32 for the
     float32 kernels); with neither, widened to float32 for the float32 kernels);
@@ -349,13 +349,14 @@ def test_packed_copies_lie_on_huge_pages(dtype):
 
 
 def test_float32_panels_give_a_row_the_sums_it_gets_alone():
-    """float32 rows up to 32 go to the AVX-512 panels on every CPU with AVX-512 (worker/csrc/
-    packed_gemm.cpp). Past 12 rows a panel takes several passes, and they go over the keys a
-    block of 128 at a time, each keeping its sums between blocks: a row's sums must still be
-    the ones it gets in a batch of one (the same products in the same order), bit for bit, so
-    that a sequence's greedy tokens do not depend on what else is in its decode step."""
-    if not native.packed_gemm_usable(torch.float32) or not native.packed_gemm_kernel(torch.float32).startswith("AVX-512"):
-        pytest.skip("no AVX-512 panels here")
+    """float32 rows up to 32 go to the vector panels on every CPU with AVX-512 or AVX2 (worker/
+    csrc/packed_gemm.cpp). Past 12 rows (AVX2: 6) a panel takes several passes, and they go over
+    the keys a block of 128 at a time, each keeping its sums between blocks: a row's sums must
+    still be the ones it gets in a batch of one (the same products in the same order), bit for
+    bit, so that a sequence's greedy tokens do not depend on what else is in its decode step."""
+    kernel = native.packed_gemm_kernel(torch.float32) if native.packed_gemm_usable(torch.float32) else ""
+    if not kernel.startswith(("AVX-512", "AVX2")):
+        pytest.skip("no float32 vector panels here")
     gen = torch.Generator().manual_seed(1)
     for K, N in ((576, 960), (1536, 576), (100, 64)):  # 4.5 blocks of keys, 12, one
         w = torch.randn(N, K, generator=gen)

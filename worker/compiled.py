@@ -7,10 +7,9 @@ sizes. Here the same computation is written once as plain tensor code over the m
 weights and compiled whole by Inductor, which fuses those ops into a few loops, packs the
 frozen weights for oneDNN and merges nothing the code does not merge itself (q/k/v and
 gate/up are concatenated here). bf16 linears are packed into AMX tiles instead on a CPU with
-AMX, for AVX512-BF16 dot products on one without, and float32 for AVX-512 FMAs and (Intel)
+AMX, for AVX512-BF16 dot products on one without, and float32 for AVX-512 or AVX2 FMAs and
 MKL's SGEMM (worker/csrc/packed_gemm.cpp): the faster kernels there at decode row counts.
-Without AVX-512 on AMD the same library holds oneDNN's packed copies, so that there too the
-graph holds no weight and a restart finds it in Inductor's cache. On a CPU with no bf16
+The graph holds no weight, so a restart finds it in Inductor's cache. On a CPU with no bf16
 products at all, bf16 weights are widened to float32 for those float32 kernels (oneDNN
 emulates bf16 there, at a fifth of float32's rate). Inductor's own frozen oneDNN linears
 remain where the native library cannot be built. SiLU times up is a native op where
@@ -422,8 +421,9 @@ class CompiledForward:
 
 def packed_linears(model: nn.Module) -> bool:
     """Whether the decoder's linears go through worker/csrc/packed_gemm.cpp: on a CPU where it
-    has a kernel for them (bf16: AMX or AVX512-BF16, else widened; float32: AVX-512, else MKL's
-    on Intel and oneDNN's on AMD, held by handle rather than frozen into the graph).
+    has a kernel for them (bf16: AMX or AVX512-BF16, else widened; float32: AVX-512 or AVX2
+    panels, else MKL's on Intel and oneDNN's on AMD, held by handle rather than frozen into the
+    graph).
     Asked only there: anywhere else the question would build the CPU kernels for nothing."""
     w = next(model.parameters())
     return w.device.type == "cpu" and w.dtype in COMPILED_DTYPES and native.packed_gemm_preferred(w.dtype)

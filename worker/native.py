@@ -1,6 +1,6 @@
 """The engine's native CPU kernels: paged attention (worker/csrc/paged_attention.cpp), the
-compiled forward's packed linears (worker/csrc/packed_gemm.cpp: MKL, AMX tiles, AVX-512
-panels) and the sampler's greedy picks (worker/csrc/greedy.cpp).
+compiled forward's packed linears (worker/csrc/packed_gemm.cpp: MKL, AMX tiles, AVX-512 and
+AVX2 panels) and the sampler's greedy picks (worker/csrc/greedy.cpp).
 
 Decode attention is a few tiny products per page and sequence; through torch ops that is
 hundreds of small bmm calls and a segmented softmax a layer, and in bfloat16 (whose small
@@ -325,8 +325,8 @@ _EMPTY_LONG = torch.empty(0, dtype=torch.long)
 def packed_gemm_usable(dtype: torch.dtype) -> bool:
     """Whether linears in ``dtype`` can run through weights packed here (worker/csrc/packed_gemm.cpp):
     float32 through AVX-512 vector panels at a decode step's fewest rows and MKL's packed SGEMM
-    (Intel) or oneDNN (AMD) past them, or without AVX-512 MKL's alone (Intel) or oneDNN's at
-    decode rows and MKL's at prefill rows (AMD),
+    (Intel) or oneDNN (AMD) past them, without AVX-512 through AVX2 panels at decode rows and
+    MKL's at prefill rows,
     bf16 on AMX tiles (a CPU with AMX) or AVX512-BF16 dot products (one without; on Intel only
     a decode step's fewest rows, more widened to float32, where those products run at half
     float32's rate), or with neither widened to float32 for the float32 kernels."""
@@ -350,16 +350,16 @@ def packed_gemm_onednn(dtype: torch.dtype) -> bool:
 
 def packed_gemm_preferred(dtype: torch.dtype) -> bool:
     """Whether linears in ``dtype`` should take the packed kernels here: float32 on a CPU with
-    AVX-512 (decode steps' linears overlap reading their weights with their products there,
-    oneDNN's and MKL's did not: worker/csrc/packed_gemm.cpp), and without AVX-512 through MKL's
-    kernels on an Intel CPU, oneDNN's elsewhere; bf16 on AMX tiles or AVX512-BF16 dot products
+    AVX-512 or AVX2 (decode steps' linears overlap reading their weights with their products
+    there, oneDNN's and MKL's did not: worker/csrc/packed_gemm.cpp), and elsewhere through MKL's
+    kernels on an Intel CPU, oneDNN's on others; bf16 on AMX tiles or AVX512-BF16 dot products
     wherever those are, and where neither is (oneDNN would emulate bf16), widened to float32. At
     decode row counts (SmolLM2's shapes, 2 threads) MKL beat oneDNN's packed linears on an Intel
     Xeon (AVX-512: decode steps 6-15% faster) and lost on an AMD EPYC (AVX2: decode steps at 64 /
     16 / 1 sequences 220 / 114 / 63 ms against oneDNN's 193 / 76 / 39; MKL's kernels there ran no
-    faster than its unpacked SGEMM), where oneDNN's packed copy serves instead (and MKL's past
-    192 rows, where it is 3-12% faster there: worker/csrc/packed_gemm.cpp): the same kernels
-    as Inductor's frozen linears, but named by handle, so a restart finds the graph in Inductor's
+    faster than its unpacked SGEMM), where AVX2 panels serve them, 10-35% ahead of oneDNN's
+    (and MKL's past 192 rows, where it is 3-12% faster than oneDNN's there:
+    worker/csrc/packed_gemm.cpp). All named by handle, so a restart finds the graph in Inductor's
     cache instead of compiling it again (a frozen graph names its weights' addresses)."""
     return dtype in (torch.float32, torch.bfloat16) and packed_gemm_usable(dtype)  # the library picks the kernel
 

@@ -1,6 +1,6 @@
 // Linears through weights packed once, for the compiled forward (worker/compiled.py): float32
-// through AVX-512 vector panels at a decode step's fewest rows and, past them, MKL's packed
-// SGEMM (Intel) or oneDNN's (AMD; without AVX-512, MKL's past a decode step's rows), bfloat16
+// through AVX-512 or AVX2 vector panels at a decode step's rows and, past them, MKL's packed
+// SGEMM (Intel; AMD without AVX-512) or oneDNN's (AMD with AVX-512), bfloat16
 // at decode row counts through AMX tile products, or where there is no AMX through AVX512-BF16
 // dot products (gemm_panels, below; on Intel only a decode step's fewest rows, more through a
 // float32 copy: bf16_half_rate, below), and where there is neither, widened to float32 for the
@@ -15,18 +15,11 @@
 // built without MKL (another architecture) loads these ops and uses oneDNN's alone.
 //
 // float32 without AVX-512 on AMD (an AVX2 EPYC): MKL's packed kernels lost to oneDNN's there at
-// decode rows (decode steps at 64 / 16 / 1 sequences 220 / 114 / 63 ms against 193 / 76 / 39), so
-// those go to oneDNN's packed copy, the one Inductor would make; past kOnednnRowsAvx2 rows (prefill
-// chunks) MKL's is the faster one (a layer's four linears, 2 threads, MKL's time over oneDNN's:
-// small 1.10 at 64 rows, 1.00 at 192, 0.94 at 256, 0.88 at 1,024 and 2,048; SmolLM2 1.05, 1.00,
-// 0.97, 0.92, 0.91), so those rows go to MKL's copy of the weight. Through a handle rather than
-// frozen into the graph: a frozen graph names its weights' addresses and was compiled again at
-// every start (a SmolLM2 worker's restart 69.8 s against a first start's 73.0 on that machine).
-// Emulated on an Intel Xeon (this library built for x86-64-v3 as AMD's, oneDNN held to AVX2),
-// SmolLM2 float32: a first start 41.7 -> 32.2 s (no freezing; each batch size warmed through its
-// GEMM shapes, not the graph), a restart 38.5 -> 13.2 s; decode steps at 1 sequence 4% slower,
-// at 16 1-2%, at 64 level (not found where: the linears timed alone through either call are
-// level, and a compiled graph calls this op in about 3 us, as it calls F.linear).
+// decode rows (decode steps at 64 / 16 / 1 sequences 220 / 114 / 63 ms against 193 / 76 / 39),
+// and oneDNN's to AVX2 vector panels (gemm_panels, below: kPanelRowsAvx2); past a decode step's
+// rows (prefill chunks) MKL's is the faster one (a layer's four linears, 2 threads, MKL's time
+// over oneDNN's: small 1.10 at 64 rows, 1.00 at 192, 0.94 at 256, 0.88 at 1,024 and 2,048;
+// SmolLM2 1.05, 1.00, 0.97, 0.92, 0.91), so those rows go to MKL's copy of the weight.
 //
 // bfloat16 (AMX). A decode step's linears read every weight for a few rows each: they are
 // bound by how fast the weights stream in, and oneDNN's kernels (brg_matmul on AMX) leave that
@@ -65,8 +58,9 @@
 #include <unordered_map>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define TOKENQ_PANELS 1  // float32 vector panels: AVX-512, or AVX2 with FMA (below)
 #endif
 
 #include "amx.h"
@@ -132,8 +126,6 @@ int64_t keep(Packed p) {
 // The row count MKL is told at packing time: the packed B it returns serves any row count (a
 // test checks 1 to 2048 rows against F.linear); 64 is a decode step's. oneDNN takes it as a hint.
 constexpr int kPackRows = 64;
-// AMD without AVX-512: the most rows a step sends to oneDNN's copy; more go to MKL's (above)
-constexpr int64_t kOnednnRowsAvx2 = 192;
 
 // ---------------------------------------------------------------------------- packed copies on huge pages
 
@@ -334,7 +326,7 @@ void gemm_tiles(const Packed& p, const at::Tensor& x, at::Tensor& y) {
 }
 #endif
 
-// ---------------------------------------------------------------------------- vector panels (AVX-512)
+// ---------------------------------------------------------------------------- vector panels (AVX-512, AVX2)
 
 // The same idea without AMX (AMD EPYC, Zen 4): oneDNN's kernels (avx512_core_bf16, avx512_core)
 // stream a decode step's weights in without overlapping that with their products, so each
@@ -353,7 +345,7 @@ void gemm_tiles(const Packed& p, const at::Tensor& x, at::Tensor& y) {
 // below) 32 rows 31.9 / 41.6, 48 rows 41.4 / 51.2, 64 rows 53.4 / 57.7, 96 rows 75.2 / 86.7, 128
 // rows 104 / 106, 192 rows 149 / 150; small's 12 layers: 32 rows 22.2 / 29.3, 64 rows 36.5 /
 // 40.2).
-#if defined(__AVX512F__)
+#if defined(TOKENQ_PANELS)
 // Rows up to this many take gemm_panels (2 threads, ms for SmolLM2's 30 layers' linears, panels
 // against oneDNN; bf16: 1 row 7.7 / 11.8, 16 rows 10.3 / 14.7, 32 rows 18.3 / 23.0, 64 rows 34.3 /
 // 39.5, 128 rows 66.9 / 69.2, 256 rows 135 / 133 (small's layers: 32 rows 13.7 / 14.4, 64 rows
@@ -371,13 +363,27 @@ constexpr int64_t kPanelRowsZen5 = 128;
 // bf16 where its products run at half float32's rate (bf16_half_rate, below): the rows the bf16
 // panels keep; more go to the weight's float32 copy
 constexpr int64_t kPanelRowsHalfRate = 12;
+// AVX2 without AVX-512 (an AMD EPYC, Zen 3: 2 threads, ms for SmolLM2's 30 layers' linears,
+// panels against oneDNN's packed kernels, best of 7 alternated): 1 row 18.9 / 23.8, 4 rows 19.4 /
+// 30.5, 16 rows 35.5 / 47.9, 32 rows 57.2 / 68.0, 64 rows 112 / 125, 128 rows 176 / 204, 192 rows
+// 295 / 288, 256 rows 474 / 402. Past it MKL's packed SGEMM, which is ahead of oneDNN's there
+// (MKL's time over oneDNN's, SmolLM2's layer: 0.97 at 256 rows, 0.91 at 2,048).
+constexpr int64_t kPanelRowsAvx2 = 192;
 // Rows a pass, at most: 2 x 12 accumulators + 2 weight vectors + 1 broadcast. The rows are spread
 // evenly over the passes (13 rows as 7 + 6, not 12 + 1): a pass of one to three rows has too few
 // accumulators to hide the products' latency, and cost as much as a full one. AMD EPYC, 2 threads,
 // small's twelve layers, ms, even against 12 + rest: bf16 13 rows 5.8-6.0 / 7.2-7.6, 25 rows
 // 10.7 / 12.2, 37 rows 15.3 / 16.7, 61 rows 24.1 / 25.5; float32 13 rows 12.1 / 15.7, 25 rows
 // 20.3 / 28.2; 16 and 24 rows level. Each row's sums are the same either way.
+#if defined(__AVX512F__)
 constexpr int kRowsPass = 12;
+constexpr int kSlices = 1;  // a pass takes the panel's 32 columns: two vectors
+#else
+// AVX2 has 16 vector registers of 8 floats: a pass takes 16 of the panel's 32 columns (two
+// vectors, a slice) for at most 6 rows: 2 x 6 accumulators + 2 weight vectors + 1 broadcast.
+constexpr int kRowsPass = 6;
+constexpr int kSlices = 2;
+#endif
 // float32, where a panel takes more than one pass: the passes go over the panel's keys a block
 // of this many at a time (16 KB of the panel, read again from L1 by each pass rather than from
 // L2), each pass keeping its float32 sums between blocks. Every row's sums are the same, in the
@@ -420,6 +426,7 @@ struct Stream {
 // A (a bf16 key pair, or a float32 key) at A[r * S + step]; y's rows N elements apart. The sums
 // start from zero at the first block of steps, else from acc (R x 32 floats), and go to y at
 // the last, else back to acc.
+#if defined(__AVX512F__)
 template <bool BF16, int R>
 void pass_panel(const uint32_t* A, int64_t S, int64_t p0, int64_t p1, const char* B, void* Y, int64_t N, Stream& st,
                 float* acc) {
@@ -470,6 +477,51 @@ void pass_panel(const uint32_t* A, int64_t S, int64_t p0, int64_t p1, const char
   }
 }
 
+#else
+// AVX2: R rows of one slice of a panel, 16 columns: B points at the slice's 64 bytes of the
+// panel's first step (its steps are 128 bytes apart); acc holds R x 16 floats.
+template <bool BF16, int R>
+void pass_panel(const uint32_t* A, int64_t S, int64_t p0, int64_t p1, const char* B, void* Y, int64_t N, Stream& st,
+                float* acc) {
+  static_assert(!BF16, "bf16 panels take AVX512-BF16");
+  __m256 c0[R], c1[R];
+  if (p0 == 0) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      c0[r] = _mm256_loadu_ps(acc + r * 16);
+      c1[r] = _mm256_loadu_ps(acc + r * 16 + 8);
+    }
+  }
+  for (int64_t p = p0; p < p1; ++p) {
+    if ((p & 3) == 0) st.advance();
+    const float* b = reinterpret_cast<const float*>(B + p * 128);
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(reinterpret_cast<const float*>(A + r * S + p));
+      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+    }
+  }
+  if (p1 < S) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + r * 16, c0[r]);
+      _mm256_storeu_ps(acc + r * 16 + 8, c1[r]);
+    }
+    return;
+  }
+#pragma GCC unroll 8  // (left a loop, the arrays lived on the stack: every step stored its 12 sums)
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(static_cast<float*>(Y) + r * N, c0[r]);
+    _mm256_storeu_ps(static_cast<float*>(Y) + r * N + 8, c1[r]);
+  }
+}
+#endif
+
 using PassFn = void (*)(const uint32_t*, int64_t, int64_t, int64_t, const char*, void*, int64_t, Stream&, float*);
 template <bool BF16, int... R>
 constexpr std::array<PassFn, sizeof...(R)> pass_table(std::integer_sequence<int, R...>) {
@@ -480,7 +532,8 @@ template <bool BF16>
 constexpr auto kPasses = pass_table<BF16>(std::make_integer_sequence<int, kRowsPass>());
 
 // y [M, N] = x [M, K] w^T, M <= kPanelRows (float32: kPanelRowsF32): each thread a run of 32-column panels, each panel
-// in the fewest passes of at most kRowsPass rows, the rows spread evenly over them.
+// in the fewest passes of at most kRowsPass rows, the rows spread evenly over them (on AVX2 each
+// slice of the panel its own passes).
 void gemm_panels(const Packed& p, const at::Tensor& x, at::Tensor& y) {
   const bool bf16 = p.dtype == at::kBFloat16;
   const int64_t M = x.size(0), N = p.n, S = bf16 ? p.k / 2 : p.k, NB = N / 32, panel = S * 128;
@@ -489,21 +542,28 @@ void gemm_panels(const Packed& p, const at::Tensor& x, at::Tensor& y) {
   const uint32_t* A = reinterpret_cast<const uint32_t*>(x.data_ptr());
   const char* B = reinterpret_cast<const char*>(p.buffer.data_ptr());
   char* Y = reinterpret_cast<char*>(y.data_ptr());
+#if defined(__AVX512F__)
   const auto& table = bf16 ? kPasses<true> : kPasses<false>;
+#else
+  const auto& table = kPasses<false>;  // (bf16 panels are AVX512-BF16's: panels_usable)
+#endif
+  const int64_t passes_panel = kSlices * passes;  // over each panel's steps
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     // a panel's bytes are prefetched over all its passes (512 bytes of weight every 4 steps)
-    Stream st{B + b0 * panel + kPrefetch, B + b1 * panel, passes};
-    const int64_t block = bf16 || passes == 1 ? S : kBlockSteps;  // steps of a block of keys
+    Stream st{B + b0 * panel + kPrefetch, B + b1 * panel, passes_panel};
+    const int64_t block = bf16 || passes_panel == 1 ? S : kBlockSteps;  // steps of a block of keys
     // each pass's sums between blocks of keys: kept by the thread, not allocated every call
     static thread_local std::vector<float> acc;
-    if (acc.size() < size_t(passes * kRowsPass * 32)) acc.resize(passes * kRowsPass * 32);
+    if (acc.size() < size_t(passes_panel * kRowsPass * 32)) acc.resize(passes_panel * kRowsPass * 32);
     for (int64_t nb = b0; nb < b1; ++nb)
       for (int64_t k0 = 0; k0 < S; k0 += block)
-        for (int64_t m0 = 0, pass = 0; m0 < M; m0 += per, ++pass) {
-          const int64_t rows = std::min<int64_t>(per, M - m0);
-          table[rows - 1](A + m0 * S, S, k0, std::min(S, k0 + block), B + nb * panel, Y + (m0 * N + nb * 32) * size, N, st,
-                          acc.data() + pass * kRowsPass * 32);
-        }
+        for (int64_t slice = 0; slice < kSlices; ++slice)
+          for (int64_t m0 = 0, pass = 0; m0 < M; m0 += per, ++pass) {
+            const int64_t rows = std::min<int64_t>(per, M - m0);
+            table[rows - 1](A + m0 * S, S, k0, std::min(S, k0 + block), B + nb * panel + slice * 128 / kSlices,
+                            Y + (m0 * N + nb * 32 + slice * 32 / kSlices) * size, N, st,
+                            acc.data() + (slice * passes + pass) * kRowsPass * 32);
+          }
   });
 }
 #endif
@@ -520,7 +580,7 @@ bool panels_usable(at::ScalarType dtype) {
 #if defined(__AVX512BF16__)
   if (dtype == at::kBFloat16) return true;
 #endif
-#if defined(__AVX512F__)
+#if defined(TOKENQ_PANELS)
   if (dtype == at::kFloat) return true;
 #endif
   return false;
@@ -539,6 +599,16 @@ bool amd() {
 
 bool f32_mkl() { return mkl().ok() && !amd(); }  // Intel's float32 rows past the panels' go to MKL
 
+#if defined(__AVX512F__)
+constexpr bool kAvx512 = true;
+#else
+constexpr bool kAvx512 = false;
+#endif
+
+// float32 rows past the panels' go to MKL's packed SGEMM on Intel, and on AMD without AVX-512
+// (an AVX2 EPYC: kPanelRowsAvx2); on AMD with AVX-512 to oneDNN's
+bool f32_past_mkl() { return f32_mkl() || (mkl().ok() && !kAvx512); }
+
 bool zen5() {
   static const bool is = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
@@ -547,9 +617,6 @@ bool zen5() {
   }();
   return is;
 }
-
-// AMD's float32 without the panels (an AVX2 EPYC): oneDNN's decode rows, MKL's prefill rows
-bool amd_split(at::ScalarType dtype) { return dtype == at::kFloat && amd() && mkl().ok() && !panels_usable(dtype); }
 
 // An Intel CPU with AVX512-BF16 but no AMX (measured on an Emerald Rapids Xeon whose host does
 // not expose AMX: family 6 model 207, 2 cores): there VDPBF16PS multiplies at half the float32
@@ -563,18 +630,19 @@ bool bf16_half_rate() { return !amd() && !tiles_usable() && panels_usable(at::kB
 
 // The kernel of the rows past `kernel`'s
 Kernel past_for(Kernel kernel, at::ScalarType dtype) {
-  if (kernel == Kernel::onednn) return amd_split(dtype) ? Kernel::mkl : Kernel::onednn;
   if (dtype == at::kBFloat16 && bf16_half_rate()) return Kernel::widened;
-  return kernel == Kernel::panels && dtype == at::kFloat && f32_mkl() ? Kernel::mkl : Kernel::onednn;
+  return kernel == Kernel::panels && dtype == at::kFloat && f32_past_mkl() ? Kernel::mkl : Kernel::onednn;
 }
 
 // The kernel a weight of this dtype is packed for here: bf16 on AMX tiles, else on panels;
-// float32 on panels (AVX-512), else MKL's on Intel and oneDNN's on AMD (MKL's past
-// kOnednnRowsAvx2 rows). A shape the panels cannot take goes to the kernel of the rows past
-// theirs: MKL's on Intel, oneDNN's on AMD.
+// float32 on panels (AVX-512 or AVX2), else MKL's on Intel and oneDNN's on AMD. A float32 shape
+// the panels cannot take goes to MKL's on Intel, oneDNN's on AMD (whose decode rows MKL's
+// kernels serve slowly without AVX-512: kPanelRowsAvx2); a bf16 one to the kernel of the rows
+// past the panels'.
 Kernel kernel_for(at::ScalarType dtype, int64_t n, int64_t k) {
   if (dtype == at::kBFloat16 && tiles_usable()) return tiles_fit(n, k) ? Kernel::tiles : Kernel::onednn;
-  if (panels_usable(dtype)) return n % 32 == 0 && k % 2 == 0 ? Kernel::panels : past_for(Kernel::panels, dtype);
+  if (panels_usable(dtype) && n % 32 == 0 && k % 2 == 0) return Kernel::panels;
+  if (dtype == at::kBFloat16 && panels_usable(dtype)) return past_for(Kernel::panels, dtype);
   return dtype == at::kFloat && f32_mkl() ? Kernel::mkl : Kernel::onednn;
 }
 
@@ -583,8 +651,10 @@ int64_t kernel_rows(Kernel kernel, at::ScalarType dtype) {
   switch (kernel) {
     case Kernel::mkl: return std::numeric_limits<int64_t>::max();
     case Kernel::tiles: return kTileRows;
-    case Kernel::onednn: return amd_split(dtype) ? kOnednnRowsAvx2 : -1;
-#if defined(__AVX512F__)
+    case Kernel::onednn: return -1;
+#if !defined(__AVX512F__) && defined(TOKENQ_PANELS)
+    case Kernel::panels: return kPanelRowsAvx2;
+#elif defined(TOKENQ_PANELS)
     case Kernel::panels:
       if (zen5()) return kPanelRowsZen5;
       if (dtype == at::kBFloat16 && bf16_half_rate()) return kPanelRowsHalfRate;
@@ -623,7 +693,8 @@ std::string gemm_kernel(at::ScalarType dtype) {
     case Kernel::mkl: return "MKL's packed SGEMM";
     case Kernel::onednn: return past == Kernel::mkl ? "oneDNN" + past_rows : "oneDNN";
     case Kernel::tiles: return "AMX tiles" + past_rows;
-    case Kernel::panels: return std::string(dtype == at::kBFloat16 ? "AVX512-BF16" : "AVX-512") + " vectors" + past_rows;
+    case Kernel::panels:
+      return std::string(dtype == at::kBFloat16 ? "AVX512-BF16" : kAvx512 ? "AVX-512" : "AVX2") + " vectors" + past_rows;
     default: return "oneDNN";
   }
 }
@@ -645,7 +716,7 @@ Packed pack(const at::Tensor& w, bool widen) {
 #if defined(TOKENQ_AMX)
     case Kernel::tiles: p.buffer = pack_tiles(wc); break;
 #endif
-#if defined(__AVX512F__)
+#if defined(TOKENQ_PANELS)
     case Kernel::panels:
       p.buffer = p.dtype == at::kBFloat16 ? pack_panels<uint16_t, 2>(wc) : pack_panels<float, 1>(wc);
       break;
@@ -683,7 +754,7 @@ at::Tensor multiply(const Packed& p, const at::Tensor& x) {
 #if defined(TOKENQ_AMX)
     case Kernel::tiles: gemm_tiles(p, xc, y); break;
 #endif
-#if defined(__AVX512F__)
+#if defined(TOKENQ_PANELS)
     case Kernel::panels: gemm_panels(p, xc, y); break;
 #endif
     default: break;

@@ -3,8 +3,8 @@
 //
 // Decode: for each (sequence, kv head) the g query heads that share that kv head are scored
 // against the sequence's slots page by page, float32 throughout, so each K/V slot is read
-// once, from the pool in place. A work item is one (sequence, kv head), or on AMD's AVX-512
-// path with many sequences a whole sequence, its kv heads page by page (see decode). Work items
+// once, from the pool in place. A work item is one (sequence, kv head), or on AMD's vector
+// paths with many sequences a whole sequence, its kv heads page by page (see decode). Work items
 // are split between the threads by the number of slots they read, not by count (contexts differ
 // by 10x or more). With AVX-512 or AVX2 (float32 and bf16, head sizes 32, 64, 128 and 256, no
 // soft-cap) in two passes on vector registers (attend_avx512, attend_avx2: all scores, their
@@ -526,41 +526,45 @@ inline __m256 scores8(const float* qf, const T* k, int64_t len) {
   return reduce8(acc);
 }
 
-// One (sequence, kv head) as attend_avx512: pass 1 every slot's scores, the softmax of each
-// head's row, pass 2 the weighted sum of V rows (32 columns at a time: 4 accumulators a head
-// keep the register file for the loads). Same signature as attend_avx512 (qb, cbuf unused).
+// One (sequence, kv head), or kvh heads from head_off on, head_stride apart, page by page (a
+// sequence's item: see decode), as attend_avx512: pass 1 every slot's scores, the softmax of
+// each head's row, pass 2 the weighted sum of V rows (32 columns at a time: 4 accumulators a
+// head keep the register file for the loads). Same signature as attend_avx512 (qb, cbuf unused).
 template <typename T, int C>
 void attend_avx2(const float* __restrict qf, const uint16_t*, const T* kp, const T* vp, const int64_t* table,
                  int64_t lo, int64_t hi, int64_t g, int64_t ps, int64_t page_stride, int64_t head_off, float fscale,
                  const float* sinks, float* __restrict acc, float* __restrict, float* __restrict pbuf, float* __restrict,
-                 float* __restrict m, float* __restrict l) {
+                 float* __restrict m, float* __restrict l, int64_t kvh = 1, int64_t head_stride = 0) {
   constexpr int D = 8 * C;
   const int64_t n = hi - lo;
   const int64_t stride = ((n + 7) & ~int64_t(7)) + 8;  // a block entered part way writes up to 7 lanes past n
   constexpr int64_t RB = D * sizeof(T);  // a row's bytes
   const __m256 vscale = _mm256_set1_ps(fscale);
   // pass 1: scores, the page PFD ahead prefetched a row for each row scored (as attend_avx512)
-  prefetch_pages(kp, table, lo - lo % ps + ps, hi, PFD - 1, ps, page_stride, head_off, D);
+  for (int64_t h = 0; h < kvh; ++h)
+    prefetch_pages(kp, table, lo - lo % ps + ps, hi, PFD - 1, ps, page_stride, head_off + h * head_stride, D);
   for (int64_t p0 = lo - lo % ps; p0 < hi; p0 += ps) {
     const int64_t pa = std::max(p0, lo) - p0, pb = std::min(p0 + ps, hi) - p0;
-    const int64_t page = table[p0 / ps] * page_stride + head_off;
-    const char* kn = p0 + PFD * ps < hi
-                         ? reinterpret_cast<const char*>(kp + table[p0 / ps + PFD] * page_stride + head_off)
-                         : nullptr;
-    for (int64_t a = pa; a < pb; a += 8) {
-      const int64_t len = std::min<int64_t>(8, pb - a);
-      if (kn)
-        for (int64_t x = 0; x < len * RB; x += 64) prefetch_line(kn + a * RB + x);
-      const T* kb = kp + page + a * D;
-      const int64_t at = p0 + a - lo;
-      for (int64_t j = 0; j < g; ++j)
-        _mm256_storeu_ps(pbuf + j * stride + at, _mm256_mul_ps(scores8<T, C>(qf + j * D, kb, len), vscale));
+    for (int64_t h = 0; h < kvh; ++h) {
+      const int64_t off = head_off + h * head_stride;
+      const char* kn =
+          p0 + PFD * ps < hi ? reinterpret_cast<const char*>(kp + table[p0 / ps + PFD] * page_stride + off) : nullptr;
+      for (int64_t a = pa; a < pb; a += 8) {
+        const int64_t len = std::min<int64_t>(8, pb - a);
+        if (kn)
+          for (int64_t x = 0; x < len * RB; x += 64) prefetch_line(kn + a * RB + x);
+        const T* kb = kp + table[p0 / ps] * page_stride + off + a * D;
+        const int64_t at = p0 + a - lo;
+        for (int64_t j = h * g; j < h * g + g; ++j)
+          _mm256_storeu_ps(pbuf + j * stride + at, _mm256_mul_ps(scores8<T, C>(qf + j * D, kb, len), vscale));
+      }
     }
   }
   // V's first pages are fetched while the softmax runs
-  prefetch_pages(vp, table, lo - lo % ps, hi, PFD, ps, page_stride, head_off, D);
+  for (int64_t h = 0; h < kvh; ++h)
+    prefetch_pages(vp, table, lo - lo % ps, hi, PFD, ps, page_stride, head_off + h * head_stride, D);
   const __m256 neg = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < g; ++j) {
+  for (int64_t j = 0; j < kvh * g; ++j) {
     float* r = pbuf + j * stride;
     __m256 mx = _mm256_set1_ps(sinks ? sinks[j] : -std::numeric_limits<float>::infinity());
     for (int64_t t = 0; t < n; t += 8) mx = _mm256_max_ps(mx, _mm256_blendv_ps(neg, _mm256_loadu_ps(r + t), lanes_between(t, 0, n - 1)));
@@ -575,40 +579,43 @@ void attend_avx2(const float* __restrict qf, const uint16_t*, const T* kp, const
     m[j] = M;
     l[j] = hsum8(sum);
   }
-  std::fill(acc, acc + g * D, 0.f);
+  std::fill(acc, acc + kvh * g * D, 0.f);
   constexpr int CB = C < 4 ? C : 4;  // vectors per column block
   for (int64_t p0 = lo - lo % ps; p0 < hi; p0 += ps) {
     const int64_t pa = std::max(p0, lo) - p0, pb = std::min(p0 + ps, hi) - p0;
-    const int64_t page = table[p0 / ps] * page_stride + head_off;
-    const char* vn = p0 + PFD * ps < hi
-                         ? reinterpret_cast<const char*>(vp + table[p0 / ps + PFD] * page_stride + head_off + pa * D)
-                         : nullptr;
-    const T* vb = vp + page + pa * D;
     const int64_t at = p0 + pa - lo, len = pb - pa;
-    // up to 3 heads x CB vectors of sums on registers, each V load used by all of them
-    for (int64_t j0 = 0; j0 < g; j0 += 3) {
-      const int64_t jn = std::min<int64_t>(3, g - j0);
-      for (int cb = 0; cb < C; cb += CB) {
-        __m256 o[3][CB];
-        for (int j = 0; j < 3; ++j)
-          for (int c = 0; c < CB; ++c) o[j][c] = j < jn ? _mm256_loadu_ps(acc + (j0 + j) * D + 8 * (cb + c)) : _mm256_setzero_ps();
-        const bool fetch = vn && j0 == 0 && cb == 0;  // (the first of the page's sweeps)
-        for (int64_t t = 0; t < len; ++t) {
-          if (fetch)
-            for (int64_t x = 0; x < RB; x += 64) prefetch_line(vn + t * RB + x);
-          __m256 w[3];
-          for (int j = 0; j < 3; ++j) w[j] = _mm256_set1_ps(j < jn ? pbuf[(j0 + j) * stride + at + t] : 0.f);
-          for (int c = 0; c < CB; ++c) {
-            const __m256 v = load8(vb + t * D + 8 * (cb + c));
-            for (int j = 0; j < 3; ++j) o[j][c] = _mm256_fmadd_ps(w[j], v, o[j][c]);
+    for (int64_t h = 0; h < kvh; ++h) {
+      const int64_t off = head_off + h * head_stride;
+      const char* vn = p0 + PFD * ps < hi
+                           ? reinterpret_cast<const char*>(vp + table[p0 / ps + PFD] * page_stride + off + pa * D)
+                           : nullptr;
+      const T* vb = vp + table[p0 / ps] * page_stride + off + pa * D;
+      // up to 3 heads x CB vectors of sums on registers, each V load used by all of them
+      for (int64_t j0 = h * g; j0 < h * g + g; j0 += 3) {
+        const int64_t jn = std::min<int64_t>(3, h * g + g - j0);
+        for (int cb = 0; cb < C; cb += CB) {
+          __m256 o[3][CB];
+          for (int j = 0; j < 3; ++j)
+            for (int c = 0; c < CB; ++c)
+              o[j][c] = j < jn ? _mm256_loadu_ps(acc + (j0 + j) * D + 8 * (cb + c)) : _mm256_setzero_ps();
+          const bool fetch = vn && j0 == h * g && cb == 0;  // (the first of the page's sweeps)
+          for (int64_t t = 0; t < len; ++t) {
+            if (fetch)
+              for (int64_t x = 0; x < RB; x += 64) prefetch_line(vn + t * RB + x);
+            __m256 w[3];
+            for (int j = 0; j < 3; ++j) w[j] = _mm256_set1_ps(j < jn ? pbuf[(j0 + j) * stride + at + t] : 0.f);
+            for (int c = 0; c < CB; ++c) {
+              const __m256 v = load8(vb + t * D + 8 * (cb + c));
+              for (int j = 0; j < 3; ++j) o[j][c] = _mm256_fmadd_ps(w[j], v, o[j][c]);
+            }
           }
+          for (int j = 0; j < jn; ++j)
+            for (int c = 0; c < CB; ++c) _mm256_storeu_ps(acc + (j0 + j) * D + 8 * (cb + c), o[j][c]);
         }
-        for (int j = 0; j < jn; ++j)
-          for (int c = 0; c < CB; ++c) _mm256_storeu_ps(acc + (j0 + j) * D + 8 * (cb + c), o[j][c]);
       }
     }
   }
-  for (int64_t j = 0; j < g; ++j) {
+  for (int64_t j = 0; j < kvh * g; ++j) {
     const float denom = l[j] + (sinks ? std::exp(sinks[j] - m[j]) : 0.f);
     const float inv = 1.f / denom;
     for (int64_t d = 0; d < D; ++d) acc[j * D + d] *= inv;
@@ -824,19 +831,21 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   }
 #endif
 
-  // Heads a work item takes: on the AVX-512 path, with enough sequences to share between the
+  // Heads a work item takes: on the vector paths, with enough sequences to share between the
   // threads, all of a sequence's kv heads, page by page. A page holds its kv heads' slots one
   // after the other, so the item reads each page whole, and a sequence's pages (allocated in
   // ascending order, worker/cache.py) as one forward stream that the hardware prefetchers
   // follow, rather than one head's part of every page, then the next head's. SmolLM2's 30
   // layers at 64 sequences of about 230 tokens, the engine's own pools and tables, AMD EPYC
   // (Zen 5), 2 threads, ms: float32 24.8 per head on descending pages, 22.8 per head on
-  // ascending ones, 19.0 per sequence on ascending ones; bf16 20.7, 18.2 and 13.8. Fewer
+  // ascending ones, 19.0 per sequence on ascending ones; bf16 20.7, 18.2 and 13.8; AVX2 on an
+  // AMD EPYC (Zen 3), 64 sequences of 230-430 tokens, float32 60-82 per head against 48-55 per
+  // sequence, bf16 33-36 against 28-29 (16 sequences of 600: level). Fewer
   // sequences keep an item per head, so that both threads have work. Only where the
   // prefetches land in L2 (AMD): an item's pages ahead are then kvh times the bytes, and on
   // Intel, where they land in L1 (48 KB), that is not measured.
   int64_t hpi = 1;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if (fast && kPrefetchL2 && n >= 4 * at::get_num_threads()) hpi = kvh;
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -892,11 +901,8 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
       if (fast) {
         fast(qf.data(), qb.data(), kp, vp, tables + offsets[i], first[i], ctx[i], g, ps, page_stride, h * head_stride,
-             fscale, sinks ? sinks + h * g : nullptr, acc.data(), vf.data(), s.data(), kf.data(), m.data(), l.data()
-#if defined(__AVX512F__)
-             , hpi, head_stride
-#endif
-        );
+             fscale, sinks ? sinks + h * g : nullptr, acc.data(), vf.data(), s.data(), kf.data(), m.data(), l.data(),
+             hpi, head_stride);
       } else
 #endif
       one(qf.data(), kp, vp, tables + offsets[i], first[i], ctx[i], g, D, ps, page_stride, h * head_stride, fscale,

@@ -276,10 +276,11 @@ def test_a_process_with_another_path_loads_the_build_without_rebuilding():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_gemm_serves_every_row_count(dtype):
     """worker/csrc/packed_gemm.cpp packs a weight once (float32: in panels for AVX-512 up to 128
-    rows on Intel, 32 on AMD Zen 4, 128 on Zen 5, and for MKL (told 64 rows) or oneDNN past them;
+    rows on Intel, 32 on AMD Zen 4 (128 for a weight oneDNN would split unevenly), 128 on Zen 5,
+    and for MKL (told 64 rows) or oneDNN past them;
     without AVX-512 in panels for AVX2 up to 192 rows and for MKL past them;
     bf16: in AMX tiles up to 128 rows, or without AMX in key pairs for AVX512-BF16 up to 64 (Zen
-    5: 128), and for oneDNN past them (Intel: up to 12, and past them widened to float32 for the
+    5, and a weight oneDNN would split unevenly: 128), and for oneDNN past them (Intel: up to 12, and past them widened to float32 for the
     float32 kernels); with neither, widened to float32 for the float32 kernels);
     the compiled forward runs it at every step's row count, so each must give x @ w.T as closely
     as F.linear does. Shapes whose sizes are not multiples of 32 (bf16: oneDNN's alone) are
@@ -369,6 +370,32 @@ def test_float32_panels_give_a_row_the_sums_it_gets_alone():
                 assert torch.equal(y, alone), (K, M)
         finally:
             native.gemm_release(handle)
+
+
+def test_a_weight_onednn_would_split_unevenly_keeps_the_panels_to_128_rows():
+    """Where the rows past the float32 panels' go to oneDNN (AMD with AVX-512: past 32 rows),
+    oneDNN would split a weight's columns between the threads in blocks of 64; a weight whose
+    blocks do not divide evenly among them (SmolLM2's 576 and 960 columns on two threads) keeps
+    the panels to 128 rows (worker/csrc/packed_gemm.cpp, kPanelRowsUneven). Elsewhere the panels
+    take 128 rows or more anyway. Seen by the panels' mark: each row's sums are the ones it gets
+    alone, bit for bit, where oneDNN's differ (most outputs, at 129 rows)."""
+    kernel = native.packed_gemm_kernel(torch.float32) if native.packed_gemm_usable(torch.float32) else ""
+    if not kernel.startswith(("AVX-512", "AVX2")):
+        pytest.skip("no float32 vector panels here")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite runs on one thread, where every split is even
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(960, 576, generator=gen)  # 15 blocks: 8 and 7
+    handle = native.gemm_pack(w)
+    try:
+        for M in (33, 64, 100, 128):
+            x = torch.randn(M, 576, generator=gen)
+            y = torch.ops.tokenq_native.gemm_packed(x, handle)
+            alone = torch.cat([torch.ops.tokenq_native.gemm_packed(x[i:i + 1], handle) for i in range(M)])
+            assert torch.equal(y, alone), M
+    finally:
+        native.gemm_release(handle)
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

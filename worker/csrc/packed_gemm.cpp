@@ -664,6 +664,29 @@ int64_t kernel_rows(Kernel kernel, at::ScalarType dtype) {
   }
 }
 
+// Where the rows past the panels' go to oneDNN (AMD with AVX-512): oneDNN's kernels split a
+// weight's columns between the threads in blocks of 64, and at a decode step's rows a weight
+// whose blocks do not divide evenly among them leaves a thread idle for a block's time (SmolLM2's
+// 576 and 960 columns: 9 and 15 blocks on 2 threads). An AMD EPYC (Zen 4), 2 threads, 576 keys,
+// 64 rows, us a weight (30 of them, cold), oneDNN's: 512 columns 226, 576 273, 640 271, 704 312,
+// 768 308, 960 409, 1,024 403 (each odd count of blocks as slow as the even count after it); the
+// panels': 198, 222, 253, 272, 295, 368, 397. At 96 rows float32 576 columns 351 against the
+// panels' 340, 960 569 / 552; at 128 level; bf16 at 96 rows 173 / 159 and 304 / 261, at 128 233 /
+// 214 and 380 / 351. So such a weight keeps the panels to this many rows. SmolLM2's 30 layers at
+// 64 rows, float32: 77.5-82.6 ms -> 71-74 (its gate/up, 48 blocks, stays oneDNN's: 35.4 against
+// the panels' 36.2-38.1); its decode steps at 64 sequences, float32, the rule on and off in
+// turn in one engine: 2.7% faster (4.4 ms of 161-175, over four runs).
+constexpr int64_t kPanelRowsUneven = 128;
+
+// The most rows a step sends to p's packed kernel: kernel_rows, or where the rows past them go
+// to oneDNN and its column blocks would split unevenly among the threads, kPanelRowsUneven
+int64_t packed_rows(const Packed& p) {
+  const int64_t rows = kernel_rows(p.kernel, p.dtype);
+  if (p.kernel == Kernel::panels && p.past == Kernel::onednn && (p.n + 63) / 64 % at::get_num_threads() != 0)
+    return std::max(rows, kPanelRowsUneven);
+  return rows;
+}
+
 }  // namespace
 
 bool gemm_supported(at::ScalarType dtype) {
@@ -688,7 +711,10 @@ std::string gemm_kernel(at::ScalarType dtype) {
   const std::string past_rows = past == Kernel::widened
                                     ? " (past " + rows + " widened to float32: " + gemm_kernel(at::kFloat) + ")"
                                 : past == Kernel::mkl ? " (MKL's packed SGEMM past " + rows + ")"
-                                                      : " (oneDNN past " + rows + ")";
+                                : kernel == Kernel::panels && kernel_rows(kernel, dtype) < kPanelRowsUneven
+                                    ? " (oneDNN past " + rows + ", " + std::to_string(kPanelRowsUneven) +
+                                          " for a weight it would split unevenly)"
+                                    : " (oneDNN past " + rows + ")";
   switch (kernel) {
     case Kernel::mkl: return "MKL's packed SGEMM";
     case Kernel::onednn: return past == Kernel::mkl ? "oneDNN" + past_rows : "oneDNN";
@@ -741,7 +767,7 @@ void gemm_release(int64_t handle) {
 // x [M, K] -> x @ w.T [M, N] through p's kernel for M rows
 at::Tensor multiply(const Packed& p, const at::Tensor& x) {
   const int64_t m = x.size(0);
-  const bool past = m > kernel_rows(p.kernel, p.dtype);
+  const bool past = m > packed_rows(p);
   const Kernel kernel = past ? p.past : p.kernel;
   if (kernel == Kernel::widened) return multiply(*p.wide, x);
   const at::Tensor& buffer = past ? p.past_buffer : p.buffer;  // the copy `kernel` reads

@@ -280,8 +280,9 @@ def test_packed_gemm_serves_every_row_count(dtype):
     and for MKL (told 64 rows) or oneDNN past them;
     without AVX-512 in panels for AVX2 up to 192 rows and for MKL past them;
     bf16: in AMX tiles up to 128 rows, or without AMX in key pairs for AVX512-BF16 up to 64 (Zen
-    5, and a weight oneDNN would split unevenly: 128), and for oneDNN past them (Intel: up to 12, and past them widened to float32 for the
-    float32 kernels); with neither, widened to float32 for the float32 kernels);
+    5, and a weight oneDNN would split unevenly: 128), and for oneDNN past them (Intel: up to 12,
+    and past them widened to float32 for the float32 kernels); with neither, widened to float32
+    for the float32 kernels);
     the compiled forward runs it at every step's row count, so each must give x @ w.T as closely
     as F.linear does. Shapes whose sizes are not multiples of 32 (bf16: oneDNN's alone) are
     served too."""

@@ -531,7 +531,7 @@ constexpr std::array<PassFn, sizeof...(R)> pass_table(std::integer_sequence<int,
 template <bool BF16>
 constexpr auto kPasses = pass_table<BF16>(std::make_integer_sequence<int, kRowsPass>());
 
-// y [M, N] = x [M, K] w^T, M <= kPanelRows (float32: kPanelRowsF32): each thread a run of 32-column panels, each panel
+// y [M, N] = x [M, K] w^T, M <= packed_rows(p): each thread a run of 32-column panels, each panel
 // in the fewest passes of at most kRowsPass rows, the rows spread evenly over them (on AVX2 each
 // slice of the panel its own passes).
 void gemm_panels(const Packed& p, const at::Tensor& x, at::Tensor& y) {

@@ -16,11 +16,11 @@ from worker.service import Service
 torch.set_num_threads(1)
 
 
-def make_service(redis_url: str, prefix: str, name: str = "svc-test", **settings) -> Service:
+def make_service(redis_url: str, prefix: str, name: str = "svc-test", write_behind: bool = True, **settings) -> Service:
     model = tiny_model("llama", dtype=torch.float64)
     engine = Engine(model, tiny_tokenizer(), EngineConfig(num_pages=64, device="cpu", check_invariants=False))
     s = Settings(redis_url=redis_url, prefix=prefix, name=name, heartbeat_s=0.3, claim_idle_s=2.0, **settings)
-    svc = Service(engine, s, model_name="tiny", device="cpu")
+    svc = Service(engine, s, model_name="tiny", device="cpu", write_behind=write_behind)
     assert svc._connect()
     return svc
 

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import redis
+import torch
+from service_helpers import make_service
 
 from common.keys import Keys
 from common.local_redis import free_port
 from common.protocol import done_entry, error_entry, token_entry
 from worker.service.outbox import Ack, DeadLetter, Finalize, Outbox, Publish, PublishTokens, Wire
 from worker.service.scripts import Scripts
+from worker.tuning import spare_core
 
 
 @pytest.fixture
@@ -181,3 +187,49 @@ def test_a_flush_is_one_round_trip_and_rides_through_a_restarted_server(prefix):
         assert sorted(seqs) == [0, 1, 2, 3, 4] and seqs[:2] == [0, 1], seqs
     finally:
         server.cleanup()
+
+
+def test_a_worker_whose_threads_take_every_core_writes_between_steps(redis_url, r, prefix):
+    """write_behind=False (a CPU worker whose math threads take every core, worker/tuning.py):
+    each step's entries are in Redis when its loop iteration returns, no writer thread is ever
+    started, and the result streams hold what the writer thread writes."""
+    streams = {}
+    for behind in (True, False):
+        p = f"{prefix}:{'behind' if behind else 'between'}"
+        svc = make_service(redis_url, p, write_behind=behind, stream_interval_ms=0)
+        keys = Keys(p)
+        for i in range(3):
+            r.xadd(keys.requests("normal"), {"id": f"q{i}", "input_ids": json.dumps([5, 6, 7 + i] * (i + 1)),
+                                             "max_tokens": str(6 + 3 * i), "temperature": "0", "ignore_eos": "1"})
+        left = []  # operations not yet in Redis after each iteration that stepped
+        while True:
+            stepped = svc.engine.has_unfinished()
+            svc.run_once()
+            if stepped:
+                left.append(len(svc.outbox))
+            if left and not svc.inflight and not svc.outbox:
+                break
+        if behind:
+            assert max(left) > 0  # the writer's share, still in flight as the iteration returns
+        else:
+            assert left and max(left) == 0 and svc.outbox._pool is None
+        # every field but the times (queue_s, ttft_s, total_s)
+        streams[behind] = [[{k.decode(): v.decode() for k, v in f.items() if not k.endswith(b"_s")}
+                            for _, f in r.xrange(keys.result(f"q{i}"))] for i in range(3)]
+        svc.r.close()
+    assert streams[False] == streams[True]
+    assert [sum(len(json.loads(e["ids"])) for e in es if e["type"] == "token") for es in streams[False]] == [6, 9, 12]
+
+
+def test_spare_core_says_whether_the_math_threads_leave_a_core():
+    cores = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cores)
+        assert not spare_core("cpu")
+        assert spare_core("cuda:0")  # a GPU worker's CPU mostly waits on the device
+        if cores > 1:
+            torch.set_num_threads(cores - 1)
+            assert spare_core("cpu")
+    finally:
+        torch.set_num_threads(before)

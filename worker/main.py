@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         native.build_in_background()
     from worker.engine import Engine
     from worker.service import Service
-    from worker.tuning import freeze_heap, tune_process
+    from worker.tuning import freeze_heap, spare_core, tune_process
 
     tune_process()
     try:
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     except models.UnsupportedModelError as e:  # its family, or the start-up probe, says it cannot be served exactly
         print(f"tokenq-worker: cannot serve model {settings.model!r}: {e}", file=sys.stderr)
         return 2
-    service = Service(engine, settings, model_name=settings.model, device=device)
+    service = Service(engine, settings, model_name=settings.model, device=device, write_behind=spare_core(device))
     service.install_signal_handlers()
     if settings.metrics_port:
         from worker.metrics import serve_metrics

@@ -12,8 +12,10 @@ One iteration of :meth:`Service.run_once`:
 5. publish every output of the step in one MULTI/EXEC round trip: a token entry per
    request that produced tokens, a final ``done``/``error`` entry, and for finished
    requests the XACK + XDEL of their request entry (so an entry is acknowledged only
-   together with its final result). It is written by a thread of its own, on a client of
-   its own, while the engine runs the next step; the next flush waits for it.
+   together with its final result). Where a core is left over from the engine's math
+   threads it is written by a thread of its own, on a client of its own, while the engine
+   runs the next step, and the next flush waits for it; where the math threads take every
+   core, between the steps (``write_behind``, worker/tuning.py's ``spare_core``).
 
 If Redis goes away the engine keeps running: outputs wait in the outbox and are published,
 in order, once Redis answers again. The service knows no tensors; the engine knows no Redis.
@@ -54,8 +56,10 @@ POLL_S = 0.005
 
 
 class Service:
-    def __init__(self, engine: Engine, settings: Settings, *, tokenizer=None, model_name: str = "", device: str = ""):
+    def __init__(self, engine: Engine, settings: Settings, *, tokenizer=None, model_name: str = "", device: str = "",
+                 write_behind: bool = True):
         self.engine = engine
+        self.write_behind = write_behind  # a step's writes in the writer thread during the next step
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self.s = settings
         self.keys = Keys(settings.prefix, settings.request_shards)
@@ -99,7 +103,8 @@ class Service:
             self.stop_deadline = time.monotonic() + self.s.grace_s
 
     def run(self) -> int:
-        log.info("event=start worker=%s prefix=%s redis=%s", self.name, self.s.prefix, redact_url(self.s.redis_url))
+        log.info("event=start worker=%s prefix=%s redis=%s writes=%s", self.name, self.s.prefix,
+                 redact_url(self.s.redis_url), "behind" if self.write_behind else "between_steps")
         self._connect()
         while not (self.stopping and (not self.engine.has_unfinished() or time.monotonic() >= self.stop_deadline)):
             self.run_once()
@@ -129,7 +134,7 @@ class Service:
             answers.record(self, outputs)
             if self.on_step is not None:
                 self.on_step(outputs)
-            self._flush(behind=True)
+            self._flush(behind=self.write_behind)
         elif not self.conn.connected:
             time.sleep(self.conn.wait_s())
         elif self.outbox:

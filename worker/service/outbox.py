@@ -7,8 +7,10 @@ request dropped (another worker owns it now) takes its own pending writes out of
 
 After a step the service writes in a thread of its own (:meth:`Outbox.write_behind`) while the
 engine runs the next step: a small model's step takes a few ms and its flush round trip was a
-tenth of that on the loop's critical path. One write at a time, in order: a write waits for the
-one before, and what a failed write did not write goes back in front of what came after it.
+tenth of that on the loop's critical path. (Not where the engine's math threads take every
+core: the writer would preempt one of them; the loop then flushes between steps, see
+worker/tuning.py.) One write at a time, in order: a write waits for the one before, and what a
+failed write did not write goes back in front of what came after it.
 
 Writes hold to a lease (:attr:`Outbox.lease_until`): the service renews it each time it
 refreshes its entries' idle time, for ``claim_idle_s``. A worker frozen past it (SIGSTOP, a

@@ -42,10 +42,11 @@ def fp32_models():
     return out
 
 
-def _workload(seed: int, n: int):
+def _workload(seed: int, n: int, logprobs: int | None = None):
     rng = random.Random(seed)
     prompts = random_prompts(rng, n, lengths=(1, 48))
-    params = [SamplingParams(max_tokens=rng.randint(4, 12), temperature=0, ignore_eos=True) for _ in prompts]
+    params = [SamplingParams(max_tokens=rng.randint(4, 12), temperature=0, ignore_eos=True, logprobs=logprobs)
+              for _ in prompts]
     return prompts, params
 
 
@@ -92,8 +93,10 @@ def test_greedy_agreement_with_eager(fp32_models, family):
 
 def _assert_step_logits_match_eager(model, seed: int):
     """40 requests through the fast path and the eager one: the same tokens, and every step's
-    logits within LOGIT_TOL. Returns the fast engine."""
-    prompts, params = _workload(seed=seed, n=40)
+    logits within LOGIT_TOL. Returns the fast engine. (They ask for logprobs, so that every step
+    makes logits: plain greedy steps may pick through the screened head instead,
+    tests/test_screened_head.py.)"""
+    prompts, params = _workload(seed=seed, n=40, logprobs=0)
     runs = []
     for on in (True, False):
         engine = make_engine(model, fast_path=on, **ENGINE)

@@ -52,7 +52,7 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import nn
 
-from worker import attention, fastpath, native, tuning
+from worker import attention, fastpath, native, screened_head, tuning
 from worker.models import max_exact_len
 from worker.probe import expected_windows
 
@@ -319,8 +319,9 @@ class CompiledForward:
     compiled decoder and a packed LM head."""
 
     def __init__(self, model: nn.Module, max_len: int, head: nn.Module, native_attention: bool,
-                 packed: bool | None = None):
-        """``packed``: linears through worker/csrc/packed_gemm.cpp; by default as packed_linears says."""
+                 packed: bool | None = None, native_steps: bool = False):
+        """``packed``: linears through worker/csrc/packed_gemm.cpp; by default as packed_linears says.
+        ``native_steps``: the steps' native library serves the engine (native decode attention)."""
         config = model.config
         layers = model.model.layers
         windows = expected_windows(config, len(layers))
@@ -345,6 +346,16 @@ class CompiledForward:
         if self.packed:
             tuning.trim_heap()  # the concatenated weights the packed copies were made from
         self.head = head  # the eager fast model's (worker/fastpath.py: already packed for oneDNN)
+        # greedy steps' picks through the head screened in bf16 (worker/screened_head.py), where
+        # it serves: its kernel is in the steps' native library
+        out = model.get_output_embeddings()
+        self.screened: screened_head.ScreenedHead | None = None
+        self.screen_note = screened_head.why_not(out, w.device) if native_steps else "no native kernels"
+        if self.screen_note is None:
+            try:
+                self.screened = screened_head.ScreenedHead(out.weight)
+            except Exception as e:  # noqa: BLE001 - a weight it cannot pack: the head's logits serve
+                self.screen_note = f"it failed to build: {type(e).__name__}: {e}"
         # Each decoder is its own graph (its weights frozen into it, or its packed weights'
         # handles constants of it; Dynamo guards on the instance), but all share
         # Decoder.forward's code object, whose cache Dynamo caps at recompile_limit entries (8):
@@ -386,6 +397,15 @@ class CompiledForward:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, meta) -> torch.Tensor:
         return self.head(self.hidden(ids, positions, meta).index_select(0, keep))
+
+    def picks(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, meta) -> torch.Tensor:
+        """The ``keep`` rows' greedy picks [S] through the screened head (a step whose sampled
+        rows are all plain greedy: worker/sampler.py's plain_greedy)."""
+        return self.screened.picks(self.hidden(ids, positions, meta).index_select(0, keep))
+
+    def greedy_head(self) -> str:
+        """How greedy steps pick (for the engine's log line)."""
+        return "screened in bf16" if self.screened is not None else f"the head's logits ({self.screen_note})"
 
     def rows(self, T: int) -> int:
         """The rows the graph runs for a step of ``T`` tokens (padding past T: MIN_ROWS, ROW_STEP)."""
@@ -460,14 +480,15 @@ def get(model: nn.Module, max_len: int, device: torch.device, eager: nn.Module, 
     if (length, kernels, packed) in known:
         return known[length, kernels, packed], "compiled earlier for this model"
     try:
-        fwd = CompiledForward(model, length, eager.get_output_embeddings(), native_decode and native_prefill, packed)
+        fwd = CompiledForward(model, length, eager.get_output_embeddings(), native_decode and native_prefill, packed,
+                              native_decode)
         reason = warm_up(fwd, model, eager, shape, device, dtype, kernels)
     except Exception as e:  # noqa: BLE001 - a layout it cannot read, an op Inductor refuses: the eager fast path serves
         return None, f"it failed to build: {type(e).__name__}: {e}"
     if reason is not None:
         return None, reason
     known[length, kernels, packed] = fwd
-    return fwd, f"compiled and checked in {fwd.compile_s:.1f} s; linears: {fwd.linears()}"
+    return fwd, f"compiled and checked in {fwd.compile_s:.1f} s; linears: {fwd.linears()}; greedy head: {fwd.greedy_head()}"
 
 
 def warm_up(fwd: CompiledForward, model: nn.Module, eager: nn.Module, shape: dict, device, dtype,
@@ -576,6 +597,8 @@ def warm_sizes(fwd: CompiledForward, shape: dict, device, dtype, kernels: tuple[
             for (_, k), h in shapes.items():
                 torch.ops.tokenq_native.gemm_packed(torch.zeros(n, k, dtype=dtype, device=device), h)
             fwd.head(torch.zeros(n, hidden, dtype=dtype, device=device))
+            if fwd.screened is not None:
+                fwd.screened.warm(n)
         return time.perf_counter() - t
 
     from common.protocol import SamplingParams
@@ -629,6 +652,8 @@ class _Reference:
     """warm_up's exact result for a half-precision graph: the model's own (transformers) layers,
     each copied up to float32 just for its turn (never a float32 copy of the whole model), the
     hidden states in float32 throughout, the LM head cast up a block of rows at a time."""
+
+    screened = None  # always the head's logits
 
     def __init__(self, model: nn.Module):
         self.model = model

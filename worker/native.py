@@ -384,6 +384,18 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return _ops.argmax_rows(logits)
 
 
+def screened_argmax(approx: torch.Tensor, h: torch.Tensor, w: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """Each row's largest ``h @ w.T`` from its bf16 approximation ``approx``; see
+    worker/screened_head.py and worker/csrc/greedy.cpp."""
+    return _ops.screened_argmax(approx, h, w, norms)
+
+
+def bf16_double_rate() -> bool:
+    """Whether bf16 GEMMs run at about twice float32's rate here (AMX; AVX512-BF16 but on Intel
+    without AMX): worker/csrc/packed_gemm.cpp."""
+    return load_linears() is not None and bool(_ops.bf16_double_rate())
+
+
 def gemm_pack(w: torch.Tensor) -> int:
     """A handle to ``w`` [N, K] (float32: for MKL; bf16: in AMX tiles and for oneDNN); free it
     with gemm_release. The graph calls ``torch.ops.tokenq_native.gemm_packed(x, handle)``."""

@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from worker import gpu_attention, shared_pages
+from worker import gpu_attention, sampler, shared_pages
 from worker.attention import StepMeta
 from worker.cache import KVCache
 from worker.logprobs import prompt_span
@@ -72,7 +72,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], list[tuple[ScheduledSeq, int, torch.Tensor]]]:
         """Run the step; returns logits ``[S, vocab]`` for the sequences that sample, in that order,
-        and (scheduled seq, first position, logits) of the prompt positions that want logprobs."""
+        and (scheduled seq, first position, logits) of the prompt positions that want logprobs.
+        Where every sequence that samples is plain greedy and the compiled forward screens its
+        head (worker/screened_head.py), their picks ``[S]`` (int64) come instead of the logits."""
         if out.swap_out[0]:
             self.cache.swap_out(*out.swap_out)
         if out.new_pages and not (self.native_decode or self.gpu_attention):
@@ -97,6 +99,10 @@ class ModelRunner:
             return self.graphs.fwd.head(h), sampled, []
         meta, input_ids, positions, sample_rows = self._prepare(batch)
         keep = torch.cat([sample_rows, _ints(extra).to(self.device)]) if extra else sample_rows
+        sampled = [s for s in batch if s.sample]
+        if self.native_decode and self.compiled is not None and self.compiled.screened is not None and sampled \
+                and not extra and sampler.plain_greedy([s.seq for s in sampled]):
+            return self.compiled.picks(input_ids, positions, keep, meta), sampled, []
         if self.compiled is not None:
             logits = self.compiled(input_ids, positions, keep, meta)
         else:
@@ -109,7 +115,7 @@ class ModelRunner:
             ).logits[0]
         n = len(sample_rows)
         prompt = [(s, lo, logits[n + r:n + r + c]) for s, lo, r, c in spans]
-        return logits[:n], [s for s in batch if s.sample], prompt
+        return logits[:n], sampled, prompt
 
     @staticmethod
     def _prompt_rows(batch: list[ScheduledSeq]):

@@ -53,10 +53,22 @@ class Sampled:
     logprobs: list[logprobs.TokenLogprob | None]  # per row, for rows whose request asks
 
 
+def plain_greedy(seqs: list[Sequence]) -> bool:
+    """Whether sample_step would only pick each row's largest logit: every row greedy, and no
+    logprobs, penalties, bias or grammar (the runner may then pick through a screened head,
+    worker/screened_head.py, and hand sample_step the picks)."""
+    return (all(s.params.greedy and s.params.logprobs is None for s in seqs) and not penalties.needed(seqs)
+            and not any(s.grammar is not None for s in seqs))
+
+
 def sample_step(logits: torch.Tensor, seqs: list[Sequence], stop_ids: set[int], masks=None) -> Sampled:
     """The next token of each row and its logprobs (``logits`` may be changed in place). ``masks(logits, seqs)`` (the grammar
     bitmasks, worker/structured.py) applies in place after penalties. Plain batches pay
-    nothing for what they do not use: every stage runs only on the rows that ask for it."""
+    nothing for what they do not use: every stage runs only on the rows that ask for it.
+    ``logits`` may instead be the rows' picks already made ([S] int64: ModelRunner.execute on a
+    plain_greedy step)."""
+    if logits.dim() == 1:
+        return Sampled(logits.tolist(), [None] * len(seqs))
     lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     lsm = logprobs.log_softmax(logits[lp_rows]) if lp_rows else None
     x = logits

@@ -694,6 +694,10 @@ bool gemm_supported(at::ScalarType dtype) {
   return dtype == at::kBFloat16 && (tiles_usable() || panels_usable(dtype) || gemm_supported(at::kFloat));
 }
 
+// Whether bf16 GEMMs run at about twice float32's rate here: on AMX tiles, or on AVX512-BF16 dot
+// products but where those run at half rate (bf16_half_rate). worker/screened_head.py asks it.
+bool bf16_double_rate() { return tiles_usable() || (panels_usable(at::kBFloat16) && !bf16_half_rate()); }
+
 // bf16 on a CPU with no bf16 products (neither AMX nor AVX512-BF16: an Intel Ice Lake, an AVX2
 // CPU): the weight is widened to float32 once, at packing, and multiplied by the float32
 // kernels; x is widened and y rounded back to bf16 each call. oneDNN emulates bf16 there, at a
@@ -802,6 +806,7 @@ at::Tensor gemm_packed_meta(const at::Tensor& x, int64_t handle) {
 TORCH_LIBRARY_FRAGMENT(tokenq_native, m) {
   m.def("gemm_supported(ScalarType dtype) -> bool", gemm_supported);
   m.def("gemm_kernel(ScalarType dtype) -> str", gemm_kernel);
+  m.def("bf16_double_rate() -> bool", bf16_double_rate);
   m.def("gemm_pack(Tensor w) -> int", gemm_pack);
   m.def("gemm_release(int handle) -> ()", gemm_release);
   m.def("gemm_packed(Tensor x, int handle) -> Tensor");

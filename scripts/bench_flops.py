@@ -6,7 +6,9 @@ lengths): every token that goes through the layers costs ``2 * (linear weights o
 layers)`` FLOPs, every sampled token ``2 * (LM head weights)`` more. A workload of prompts
 ``p_i`` and outputs ``o_i`` runs ``p_i + o_i - 1`` tokens through the layers (the last
 output token is never fed back) and samples ``o_i`` tokens. Attention's own FLOPs are left
-out, so MFU slightly understates the work done. MFU = those FLOPs / wall time / peak.
+out, so MFU slightly understates the work done. MFU = those FLOPs / wall time / peak. A
+float32 run's greedy picks screened in bf16 (worker/screened_head.py) are still counted as the
+float32 head's FLOPs, the model's: the screen's saving shows as MFU.
 
 The ceiling: MFU alone cannot say how far a system is from what the machine allows, because
 decode attention is bound by memory, not arithmetic: each decode step reads every running
@@ -15,8 +17,8 @@ bf16 and float32), seconds of the run. :func:`ceiling_s` is the time the workloa
 with every linear at the GEMM peak and every decode K/V read at the plain read rate, the two
 one after the other (as the ops run) and everything else free (attention's arithmetic, prefill
 attention, norms, sampling, the host). A system that runs its ops one after another cannot beat
-it (short of a linear faster than the measured peak); the table's "of ceiling" is a system's
-output tok/s over the ceiling's.
+it (short of a linear faster than the measured peak, as the screened head's bf16 GEMM is); the
+table's "of ceiling" is a system's output tok/s over the ceiling's.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def why_not(head: nn.Module, device: torch.device) -> str | None:
     if device.type != "cpu":
         return "not on a CPU"
     if w is None or w.dtype != torch.float32:
-        return f"the head is {getattr(w, 'dtype', 'not a linear')}, not float32"
+        return f"the head is {str(getattr(w, 'dtype', 'not a linear')).removeprefix('torch.')}, not float32"
     if getattr(head, "bias", None) is not None:
         return "the head has a bias"
     if native.load_linears() is None or not native.bf16_double_rate():

@@ -216,7 +216,7 @@ int64_t pick(const at::BFloat16* A, const float* h, const float* w, const float*
 
 }  // namespace screen
 
-// approx [S, V] bf16, h [S, d] float32, w [V, d] float32, wn [V] float32 (|w_j|, rounded up) -> [S]
+// approx [S, V] bf16, h [S, d] float32, w [V, d] float32, wn [V] float32 (|w_j|; c1 allows for its rounding) -> [S]
 at::Tensor screened_argmax(const at::Tensor& approx, const at::Tensor& h, const at::Tensor& w, const at::Tensor& wn) {
   TORCH_CHECK(approx.dim() == 2 && approx.scalar_type() == at::kBFloat16, "screened_argmax: approx [S, V] bf16");
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.size(0) == approx.size(0),

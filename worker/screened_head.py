@@ -34,7 +34,7 @@ def why_not(head: nn.Module, device: torch.device) -> str | None:
         return f"the head is {str(getattr(w, 'dtype', 'not a linear')).removeprefix('torch.')}, not float32"
     if getattr(head, "bias", None) is not None:
         return "the head has a bias"
-    if native.load_linears() is None or not native.bf16_double_rate():
+    if not native.bf16_double_rate():  # (False where the linears' library is not there)
         return "bf16 GEMMs run no faster than float32 here"
     return None
 

@@ -99,3 +99,18 @@ def read_result(r: redis.Redis, key: str, timeout: float = 60.0) -> tuple[list[i
                 else:
                     return ids, text, e, raw
     raise TimeoutError(f"no final entry on {key} after {timeout}s; got {raw[-3:]}")
+
+
+def drop_rq_queue(r: redis.Redis, name: str) -> None:
+    """Remove an rq queue a test made: the queue, its name in rq's set of queues, its
+    registries and every job that passed through it."""
+    from rq import Queue  # here: most tests never load rq
+
+    q = Queue(name, connection=r)
+    ids = set(q.job_ids)
+    for reg in (q.finished_job_registry, q.failed_job_registry, q.deferred_job_registry, q.started_job_registry):
+        ids.update(reg.get_job_ids())
+    q.delete(delete_jobs=True)
+    keys = [k for pattern in [f"rq:*{name}*", *(f"rq:*{i}*" for i in ids)] for k in r.scan_iter(match=pattern)]
+    if keys:
+        r.delete(*keys)

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from helpers import drop_rq_queue
 from producer_helpers import done, publish, shared_worker, wait_for
 from rq import Queue, SimpleWorker
 from rq.job import JobStatus
@@ -27,13 +28,7 @@ def queue(r, prefix):
     """An rq queue of this test's own (its name holds the test's prefix); rq's keys removed after."""
     q = Queue(f"{prefix}-jobs", connection=r)
     yield q
-    ids = set(q.job_ids)
-    for reg in (q.finished_job_registry, q.failed_job_registry, q.deferred_job_registry, q.started_job_registry):
-        ids.update(reg.get_job_ids())
-    q.delete(delete_jobs=True)
-    keys = [k for pattern in [f"rq:*{q.name}*", *(f"rq:*{i}*" for i in ids)] for k in r.scan_iter(match=pattern)]
-    if keys:
-        r.delete(*keys)
+    drop_rq_queue(r, q.name)
 
 
 class BurstWorker(SimpleWorker):

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from helpers import read_result
+from helpers import drop_rq_queue, read_result
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.local_redis import find_redis_server, free_port
@@ -254,7 +254,8 @@ def test_readme_blocks_run(redis_url, tiny_model_dir, tmp_path):
             assert name in gateway, f"the README lists {name}, the gateway does not serve it"
     finally:
         runner.stop_all()
-        keys = [k for pat in (f"{prefix}:*", f"rq:*{prefix}-jobs*") for k in r.scan_iter(match=pat, count=1000)]
+        drop_rq_queue(r, f"{prefix}-jobs")  # the README's RQ example's queue and jobs
+        keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
         if keys:
             r.delete(*keys)
         r.close()
